@@ -1,0 +1,172 @@
+"""HF-format safetensors checkpoints of Beam: save, load (sharded per TP rank), tiny writer."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from beamfx.config import BeamConfig, preset
+
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# Row-parallel weights are split along their input (dim 1); column-parallel along output.
+_COLUMN = re.compile(
+    r"self_attn\.(q_proj|k_proj|v_proj|gate_proj)\.weight$|"
+    r"mlp\.(gate_proj|up_proj)\.weight$|self_attn\.gate_bias$"
+)
+_ROW = re.compile(r"self_attn\.o_proj\.weight$|mlp\.down_proj\.weight$")
+
+
+def hf_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's full weights under HF names (world size 1 only)."""
+    if model.parallel.world_size != 1:
+        raise ValueError(
+            f"hf_state_dict needs the unsharded model; this one has world_size="
+            f"{model.parallel.world_size}: save from a world-size-1 model"
+        )
+    out = {}
+    for name, p in model.state_dict().items():
+        m = re.match(r"(.*\.mlp)\.experts\.(w13|w2)$", name)
+        if not m:
+            out[name] = p
+            continue
+        base = m.group(1) + ".experts"
+        for e in range(p.shape[0]):
+            if m.group(2) == "w13":
+                gate, up = p[e].chunk(2, dim=0)
+                out[f"{base}.{e}.gate_proj.weight"] = gate
+                out[f"{base}.{e}.up_proj.weight"] = up
+            else:
+                out[f"{base}.{e}.down_proj.weight"] = p[e]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def load_into(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Copy HF-named full tensors into `model`, keeping this rank's shard. Returns names."""
+    par = model.parallel
+    params = dict(model.named_parameters())
+    loaded = set()
+    for name, w in weights:
+        m = _EXPERT.match(name)
+        if m:
+            base, e, kind = m.group(1), int(m.group(2)), m.group(3)
+            if kind == "down_proj":
+                dst = params[f"{base}.w2"][e]
+                dst.data.copy_(w[:, par.shard(w.shape[1])])
+            else:
+                dst = params[f"{base}.w13"][e]
+                half = dst.shape[0] // 2
+                rows = slice(0, half) if kind == "gate_proj" else slice(half, 2 * half)
+                dst.data[rows].copy_(w[par.shard(w.shape[0])])
+            loaded.add(f"{base}.w13" if kind != "down_proj" else f"{base}.w2")
+            continue
+        if name not in params:
+            raise KeyError(f"checkpoint tensor {name!r} has no place in BeamForCausalLM")
+        if _COLUMN.search(name):
+            w = w[par.shard(w.shape[0])]
+        elif _ROW.search(name):
+            w = w[:, par.shard(w.shape[1])]
+        if w.shape != params[name].shape:
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {tuple(w.shape)} but the model expects "
+                f"{tuple(params[name].shape)}: does config.json match the checkpoint?"
+            )
+        params[name].data.copy_(w)
+        loaded.add(name)
+    return loaded
+
+
+def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in checkpoint folder {path!r}")
+    for f in files:
+        with safe_open(os.path.join(path, f), framework="pt") as st:
+            for k in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield k, st.get_tensor(k)
+
+
+def load_checkpoint(
+    path: str, parallel=None, dtype: torch.dtype = torch.bfloat16, frontend: str = "semantic"
+):
+    """A `BeamForCausalLM` from an HF-format folder, sharded for `parallel`."""
+    from beamfx.config import load_config
+    from beamfx.models.beam import BeamForCausalLM
+
+    model = BeamForCausalLM(load_config(path), parallel, dtype, frontend)
+    expected = {n for n, _ in model.named_parameters()}
+    missing = expected - load_into(model, iter_safetensors(path))
+    if missing:
+        raise ValueError(
+            f"checkpoint {path!r} lacks {sorted(missing)[:5]} (and {max(0, len(missing) - 5)} more)"
+        )
+    return model
+
+
+def save_checkpoint(model, path: str) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    model.config.save_pretrained(path)
+    save_file(hf_state_dict(model), os.path.join(path, "model.safetensors"))
+
+
+def init_random(model, seed: int = 0):
+    """Random weights with realistic scales (norm weights near 1, not all-ones)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        shape = p.shape
+        if name.endswith("norm.weight") or "layernorm" in name:
+            v = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        elif name.endswith(("gate_bias", "e_score_correction_bias")):
+            v = 0.5 * torch.randn(shape, generator=g)
+        elif name.endswith("embed_tokens.weight"):
+            v = torch.randn(shape, generator=g)
+        else:
+            v = torch.randn(shape, generator=g) / shape[-1] ** 0.5
+        p.data.copy_(v.to(p.dtype))
+    return model
+
+
+def write_tiny_tokenizer(path: str, vocab_size: int) -> None:
+    """A WordLevel tokenizer: words `w3` ... so any text of such words round-trips."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    specials = ["<pad>", "<s>", "</s>"]
+    vocab = {t: i for i, t in enumerate(specials)}
+    vocab.update({f"w{i}": i for i in range(len(specials), vocab_size)})
+    vocab["<unk>"] = vocab.pop(f"w{vocab_size - 1}")
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "pad_token": "<pad>",
+                "unk_token": "<unk>",
+                "model_max_length": 4096,
+            },
+            f,
+            indent=1,
+        )
+
+
+def write_tiny_checkpoint(path: str, config: BeamConfig | str = "tiny", seed: int = 0) -> str:
+    """config.json + model.safetensors (random bf16 weights, fp32 router) + tokenizer."""
+    from beamfx.models.beam import BeamForCausalLM
+
+    cfg = preset(config) if isinstance(config, str) else config
+    cfg.architectures = ["BeamForCausalLM"]
+    cfg.dtype = "bfloat16"
+    model = init_random(BeamForCausalLM(cfg), seed)
+    save_checkpoint(model, path)
+    write_tiny_tokenizer(path, cfg.vocab_size)
+    return path

@@ -1,0 +1,166 @@
+"""Beam IR: the plain model's semantic ops and the fused ops, as torch custom ops.
+
+Each op stays one node in a traced graph, so passes match on meaning. Each has exactly
+one reference implementation (in `beamfx.kernels.*.reference`) that is its semantics,
+its fallback and the test oracle; fast providers register beside it and are chosen at
+run time by platform and shape (`Provider.supports` says why one cannot run).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from beamfx.kernels.boundary import reference as boundary_ref
+from beamfx.kernels.moe import reference as moe_ref
+from beamfx.kernels.norm import reference as norm_ref
+
+NAMESPACE = "beamfx"
+
+
+@dataclass
+class Provider:
+    """A fast implementation of an op. `supports(*args)` returns None or why it cannot run."""
+
+    name: str
+    fn: Callable
+    supports: Callable[..., str | None]
+
+
+@dataclass
+class OpDef:
+    """A Beam IR op: its reference (semantics), fast providers, and whether to lower it."""
+
+    name: str
+    reference: Callable
+    lower: bool
+    providers: list[Provider] = field(default_factory=list)
+    op: torch._ops.OpOverloadPacket | None = None
+    last_provider: str = "reference"
+
+    def dispatch(self, *args):
+        for p in self.providers:
+            if p.supports(*args) is None:
+                self.last_provider = p.name
+                return p.fn(*args)
+        self.last_provider = "reference"
+        return self.reference(*args)
+
+    def add_provider(self, provider: Provider) -> None:
+        self.providers = [p for p in self.providers if p.name != provider.name] + [provider]
+
+
+REGISTRY: dict[str, OpDef] = {}
+
+
+def _define(name: str, reference: Callable, fake: Callable, *, lower: bool = True) -> OpDef:
+    opdef = OpDef(name, reference, lower)
+    qual = f"{NAMESPACE}::{name}"
+
+    def impl(*args):
+        return opdef.dispatch(*args)
+
+    impl.__signature__ = _signature_of(reference)
+    torch.library.custom_op(qual, impl, mutates_args=())
+    torch.library.register_fake(qual)(fake)
+    opdef.op = getattr(getattr(torch.ops, NAMESPACE), name)
+    REGISTRY[name] = opdef
+    return opdef
+
+
+def _signature_of(fn: Callable):
+    import inspect
+    import types
+    import typing
+
+    def plain(hint):
+        # torch's schema inference warns on PEP 604 unions; spell them typing.Optional.
+        args = typing.get_args(hint)
+        if isinstance(hint, types.UnionType) and type(None) in args:
+            return typing.Optional[next(a for a in args if a is not type(None))]  # noqa: UP045
+        return hint
+
+    sig = inspect.signature(fn)
+    hints = typing.get_type_hints(fn)
+    params = [p.replace(annotation=plain(hints[p.name])) for p in sig.parameters.values()]
+    return sig.replace(parameters=params, return_annotation=hints["return"])
+
+
+def _like(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+# --- semantic ops: what the plain model calls --------------------------------------------
+
+RMS_NORM = _define("rms_norm", norm_ref.rms_norm, lambda x, w, eps: _like(x))
+SILU_MUL = _define("silu_mul", norm_ref.silu_mul, lambda g, u: _like(g))
+SCALED_ADD = _define(
+    "scaled_residual_add", boundary_ref.scaled_residual_add, lambda x, r, xs, rs: _like(x)
+)
+ALL_REDUCE = _define("all_reduce", boundary_ref.all_reduce, lambda x, g: _like(x))
+ROUTER_LOGITS = _define(
+    "router_logits",
+    moe_ref.router_logits,
+    lambda x, w: x.new_empty(*x.shape[:-1], w.shape[0], dtype=torch.float32),
+)
+
+
+def _topk_fake(logits, bias, top_k, n_group, topk_group, renormalize):
+    t = logits.shape[0]
+    return (
+        logits.new_empty(t, top_k, dtype=torch.float32),
+        logits.new_empty(t, top_k, dtype=torch.int32),
+    )
+
+
+GROUPED_TOPK = _define("grouped_topk", moe_ref.grouped_topk, _topk_fake)
+# Data-dependent (a loop over the experts that tokens chose): never lowered to aten; its
+# fast providers are grouped GEMMs.
+MOE_EXPERTS = _define(
+    "moe_experts",
+    moe_ref.moe_experts,
+    lambda x, w13, w2, ids: x.new_empty(ids.shape[0], ids.shape[1], w2.shape[1]),
+    lower=False,
+)
+MOE_FINALIZE = _define(
+    "moe_finalize",
+    moe_ref.moe_finalize,
+    lambda rows, w, s: rows.new_empty(rows.shape[0], rows.shape[2]),
+)
+
+
+# --- fused ops: what the passes rewrite to ------------------------------------------------
+
+
+FUSED_BOUNDARY = _define(
+    "fused_boundary",
+    boundary_ref.fused_boundary,
+    lambda x, r, *rest: (torch.empty_like(r), torch.empty_like(r)),
+    lower=False,
+)
+FUSED_BOUNDARY_RESIDUAL = _define(
+    "fused_boundary_residual",
+    boundary_ref.fused_boundary_residual,
+    lambda x, r, *rest: torch.empty_like(r),
+    lower=False,
+)
+
+
+def semantic_ops() -> list[OpDef]:
+    """The ops of the plain model (the ones `lower` turns back into torch code)."""
+    return [d for d in REGISTRY.values() if d.lower]
+
+
+# Python entry points with the reference's signature, so models read like the math.
+rms_norm = RMS_NORM.op
+silu_mul = SILU_MUL.op
+scaled_residual_add = SCALED_ADD.op
+all_reduce = ALL_REDUCE.op
+router_logits = ROUTER_LOGITS.op
+grouped_topk = GROUPED_TOPK.op
+moe_experts = MOE_EXPERTS.op
+moe_finalize = MOE_FINALIZE.op
+fused_boundary = FUSED_BOUNDARY.op
+fused_boundary_residual = FUSED_BOUNDARY_RESIDUAL.op

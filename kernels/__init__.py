@@ -1,0 +1,1 @@
+"""Kernel families: each folder holds a reference (the semantics) beside its fast providers."""

@@ -1,0 +1,65 @@
+"""Reference math of Beam's MoE (BEAM.md, "MLP and MoE"): the test oracle and the fallback."""
+
+import torch
+from beamfx.kernels.norm.reference import silu_mul
+from beamfx.kernels.precision import widen
+
+
+def grouped_topk(
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped sigmoid routing (noaux_tc): returns (fp32 weights [T, k], int32 ids [T, k]).
+
+    Selection uses `sigmoid(logits) + bias`; each group scores the sum of its top-2 biased
+    scores, the best `topk_group` groups survive, and the top-k experts are taken among
+    them. The weights are the unbiased sigmoid scores, renormalized if asked.
+    """
+    scores = torch.sigmoid(widen(logits))
+    biased = scores + widen(correction_bias)
+    t, e = scores.shape
+    grouped = biased.view(t, n_group, e // n_group)
+    group_scores = grouped.topk(min(2, e // n_group), dim=-1).values.sum(-1)
+    keep = group_scores.topk(topk_group, dim=-1).indices
+    group_mask = torch.zeros_like(group_scores).scatter_(1, keep, 1.0)
+    expert_mask = group_mask.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)
+    ids = biased.masked_fill(expert_mask == 0, float("-inf")).topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 router logits: bf16 activations upcast, times the fp32 (or bf16) weight."""
+    return torch.nn.functional.linear(widen(x), widen(weight))
+
+
+def moe_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """SwiGLU experts, unfinalized: rows [T, k, H], row (t, j) = expert ids[t, j] on x[t].
+
+    `w13` [E, 2I, H] stacks gate then up; `w2` is [E, H, I]. Each GEMM output is rounded
+    to the activation dtype; the activation is `silu_mul` (one rounding).
+    """
+    t, k = topk_ids.shape
+    out = x.new_zeros(t, k, w2.shape[1])
+    inter = w13.shape[1] // 2
+    for e in topk_ids.unique().tolist():
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        gu = x[tok] @ w13[e].t()
+        out[tok, slot] = silu_mul(gu[:, :inter], gu[:, inter:]) @ w2[e].t()
+    return out
+
+
+def moe_finalize(
+    rows: torch.Tensor, topk_weights: torch.Tensor, routed_scale: float
+) -> torch.Tensor:
+    """Weighted sum of the k expert rows times the routed scale, fp32, one rounding."""
+    acc = (widen(rows) * widen(topk_weights).unsqueeze(-1)).sum(1)
+    return (acc * routed_scale).to(rows.dtype)

@@ -1,0 +1,1 @@
+"""RMSNorm and the small elementwise ops of the plain model."""
