@@ -41,6 +41,7 @@ class OpDef:
     last_provider: str = "reference"
 
     def dispatch(self, *args):
+        _install_providers()
         for p in self.providers:
             if p.supports(*args) is None:
                 self.last_provider = p.name
@@ -53,6 +54,33 @@ class OpDef:
 
 
 REGISTRY: dict[str, OpDef] = {}
+
+# Fast providers per op: "module:attribute" naming a `Provider` (or None where the
+# module finds its platform lacking). Imported on first dispatch, so importing beamfx
+# stays cheap and CPU-only machines never import GPU libraries.
+PROVIDERS: dict[str, list[str]] = {
+    "fused_boundary": ["beamfx.kernels.boundary.triton:FUSED_BOUNDARY"],
+    "fused_boundary_residual": ["beamfx.kernels.boundary.triton:FUSED_BOUNDARY_RESIDUAL"],
+}
+_installed = False
+
+
+def _install_providers() -> None:
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    import importlib
+
+    for op_name, specs in PROVIDERS.items():
+        for spec in specs:
+            module, attr = spec.split(":")
+            try:
+                provider = getattr(importlib.import_module(module), attr)
+            except ImportError:
+                continue
+            if provider is not None:
+                REGISTRY[op_name].add_provider(provider)
 
 
 def _define(name: str, reference: Callable, fake: Callable, *, lower: bool = True) -> OpDef:

@@ -1,1 +1,1 @@
-"""The sublayer boundary: [finalize] -> [all-reduce] -> post-norm -> scaled residual add -> next norm."""
+"""The sublayer boundary: finalize, all-reduce, post-norm, scaled residual, next norm."""
