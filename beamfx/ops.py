@@ -16,6 +16,7 @@ import torch
 from beamfx.kernels.boundary import reference as boundary_ref
 from beamfx.kernels.moe import reference as moe_ref
 from beamfx.kernels.norm import reference as norm_ref
+from beamfx.kernels.router import reference as router_ref
 
 NAMESPACE = "beamfx"
 
@@ -61,6 +62,8 @@ REGISTRY: dict[str, OpDef] = {}
 PROVIDERS: dict[str, list[str]] = {
     "fused_boundary": ["beamfx.kernels.boundary.triton:FUSED_BOUNDARY"],
     "fused_boundary_residual": ["beamfx.kernels.boundary.triton:FUSED_BOUNDARY_RESIDUAL"],
+    "router_gemm": ["beamfx.kernels.router.triton:ROUTER_GEMM"],
+    "routed_topk": ["beamfx.kernels.router.triton:ROUTED_TOPK"],
 }
 _installed = False
 
@@ -143,6 +146,10 @@ def _topk_fake(logits, bias, top_k, n_group, topk_group, renormalize):
     )
 
 
+def _topk_fake_x(x, w, bias, top_k, n_group, topk_group, renormalize):
+    return _topk_fake(x, bias, top_k, n_group, topk_group, renormalize)
+
+
 GROUPED_TOPK = _define("grouped_topk", moe_ref.grouped_topk, _topk_fake)
 # Data-dependent (a loop over the experts that tokens chose): never lowered to aten; its
 # fast providers are grouped GEMMs.
@@ -176,6 +183,15 @@ FUSED_BOUNDARY_RESIDUAL = _define(
 )
 
 
+ROUTER_GEMM = _define(
+    "router_gemm",
+    moe_ref.router_logits,
+    lambda x, w: x.new_empty(*x.shape[:-1], w.shape[0], dtype=torch.float32),
+    lower=False,
+)
+ROUTED_TOPK = _define("routed_topk", router_ref.routed_topk, _topk_fake_x, lower=False)
+
+
 def semantic_ops() -> list[OpDef]:
     """The ops of the plain model (the ones `lower` turns back into torch code)."""
     return [d for d in REGISTRY.values() if d.lower]
@@ -192,3 +208,5 @@ moe_experts = MOE_EXPERTS.op
 moe_finalize = MOE_FINALIZE.op
 fused_boundary = FUSED_BOUNDARY.op
 fused_boundary_residual = FUSED_BOUNDARY_RESIDUAL.op
+router_gemm = ROUTER_GEMM.op
+routed_topk = ROUTED_TOPK.op
