@@ -1,5 +1,38 @@
 """beamfx: compile-time graph-rewriting fusion passes for vLLM, built first for Beam-1.0."""
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
 from beamfx import ops  # noqa: F401  (registers the beamfx:: custom ops)
 
 __version__ = "0.1.0"
+
+
+def compile(
+    model: Any,
+    passes: Sequence[str] | str = "all",
+    *,
+    explain: bool = False,
+    options: dict[str, Any] | None = None,
+    **torch_compile_kwargs: Any,
+):
+    """`torch.compile` with beamfx's pass pipeline as Inductor's post-grad custom pass.
+
+    `passes` names fusion passes (see `beamfx passes`), "all", or () for none (Beam IR is
+    then lowered back to plain torch code). The returned module carries the pass manager
+    as `.beamfx` (reports, `summary()`, `format_text()`).
+    """
+    import torch
+
+    from beamfx.pipeline import PassManager
+
+    manager = PassManager(passes, explain=explain)
+    compiled = torch.compile(
+        model,
+        options={**(options or {}), "post_grad_custom_post_pass": manager},
+        **torch_compile_kwargs,
+    )
+    compiled.beamfx = manager
+    return compiled

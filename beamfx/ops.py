@@ -8,6 +8,7 @@ run time by platform and shape (`Provider.supports` says why one cannot run).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -80,7 +81,10 @@ def _install_providers() -> None:
             module, attr = spec.split(":")
             try:
                 provider = getattr(importlib.import_module(module), attr)
-            except ImportError:
+            except (ImportError, AttributeError) as e:
+                warnings.warn(
+                    f"beamfx provider {spec} for {op_name} unavailable: {e}", stacklevel=2
+                )
                 continue
             if provider is not None:
                 REGISTRY[op_name].add_provider(provider)

@@ -309,6 +309,7 @@ class BeamForCausalLM(nn.Module):
         self.model = BeamModel(config, parallel, dtype)
         self.lm_head = _linear(config.hidden_size, config.vocab_size, dtype)
         self.softcap = config.final_logit_softcapping
+        self.requires_grad_(False)  # an inference model: Beam IR ops have no autograd
         self.set_frontend(frontend)
 
     def set_frontend(self, frontend: str) -> BeamForCausalLM:

@@ -1,0 +1,533 @@
+"""The pass-authoring API: a fusion is a plain pattern function, a replacement, constraints.
+
+    boundary = FusionPass("boundary", "post-norm + scaled residual + next norm -> one op")
+
+    @boundary.rule(replace=fused, constraints=[dtype_in("x", torch.bfloat16)])
+    def dense(x: Act["t h"], residual: Act["t h"], w_post: Act["h"], eps: float,
+              group_name: str | None = None):
+        if group_name is not None:
+            x = ir.all_reduce(x, group_name)
+        ...
+
+The engine is Inductor's pattern matcher (`register_replacement` + `fwd_only` +
+`PatternMatcherPass`); this module only feeds it:
+- tensor parameters are annotated with their example shape (`Act["t h"]` takes each
+  activation dtype of the rule, `F32[...]`/`I32[...]` are fixed) and traced per dtype;
+- scalar parameters (`float`, `int`, `bool`, `str`) are wildcards: traced with a sentinel
+  value and captured from the graph, never baked in one pattern per value;
+- parameters that default to None are optional pieces: every present/absent combination
+  is traced as its own variant; the pattern reads `if x is None`;
+- constraints are named predicates over the matched arguments (fake tensors, scalars);
+  a failed one leaves the graph unchanged and is recorded for `explain`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import itertools
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch._inductor import pattern_matcher as pm
+
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Example sizes for named dims: distinct, so a pattern that confuses two dims fails to trace.
+DIM_SIZES = {"t": 6, "h": 32, "k": 2, "e": 8, "i": 16, "d": 8, "n": 4, "v": 24}
+
+
+# --- tensor specs in annotations -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    dims: tuple[str, ...]
+    dtype: torch.dtype | None  # None: the rule's activation dtype (a variant axis)
+
+    def __or__(self, other: Any) -> TensorSpec:
+        return self  # `Act["h"] | None`: optionality comes from the None default
+
+    def example(self, act: torch.dtype) -> torch.Tensor:
+        shape = [DIM_SIZES.get(d, 5) for d in self.dims]
+        dtype = self.dtype or act
+        if dtype in (torch.int32, torch.int64):
+            return torch.randint(0, DIM_SIZES["e"], shape, dtype=dtype)
+        return torch.randn(shape).to(dtype)
+
+
+class _SpecFactory:
+    def __init__(self, dtype: torch.dtype | None):
+        self.dtype = dtype
+
+    def __getitem__(self, dims: str) -> TensorSpec:
+        return TensorSpec(tuple(dims.split()), self.dtype)
+
+
+Act = _SpecFactory(None)
+F32 = _SpecFactory(torch.float32)
+I32 = _SpecFactory(torch.int32)
+
+# Sentinels stand for scalar wildcards while tracing; they must not occur otherwise.
+_FLOAT_SENTINELS = [0.0123 + 0.00071 * i for i in range(32)]
+_INT_SENTINELS = [7919 + 13 * i for i in range(32)]
+_STR_SENTINEL = "__beamfx_{}__"
+
+
+# --- constraints -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A named predicate over the matched arguments: `check(args)` is None or why not."""
+
+    name: str
+    check: Callable[[dict[str, Any]], str | None]
+
+
+def dtype_in(arg: str, *dtypes: torch.dtype) -> Constraint:
+    def check(args):
+        dt = args[arg].dtype
+        if dt not in dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+            return f"{arg} is {str(dt).removeprefix('torch.')}, the kernel takes {names}"
+        return None
+
+    return Constraint(f"dtype({arg})", check)
+
+
+def last_dim_at_most(arg: str, limit: int) -> Constraint:
+    def check(args):
+        n = args[arg].shape[-1]
+        return None if n <= limit else f"{arg} has last dim {n} > {limit}"
+
+    return Constraint(f"size({arg})", check)
+
+
+def same_device(*names: str) -> Constraint:
+    def check(args):
+        devs = {str(args[n].device) for n in names if args.get(n) is not None}
+        return None if len(devs) <= 1 else f"{', '.join(names)} span devices {sorted(devs)}"
+
+    return Constraint("same_device", check)
+
+
+def kernel_for(op_name: str, *arg_names: str) -> Constraint:
+    """A provider of the fused op accepts these arguments on their device.
+
+    On CPU the reference is the kernel (run eagerly, it keeps every rounding); on a GPU
+    a fast provider must accept them, or fusing would only add a slow reference call.
+    """
+
+    def check(args):
+        from beamfx import ops
+
+        opdef = ops.REGISTRY[op_name]
+        values = [args.get(n) for n in arg_names]
+        device = next(v.device for v in values if isinstance(v, torch.Tensor))
+        if device.type == "cpu":
+            return None
+        ops._install_providers()
+        reasons = [f"{p.name}: {p.supports(*values)}" for p in opdef.providers]
+        if any(p.supports(*values) is None for p in opdef.providers):
+            return None
+        return f"no {device.type} kernel for {op_name} (" + "; ".join(reasons or ["none"]) + ")"
+
+    return Constraint(f"kernel({op_name})", check)
+
+
+# --- rules and passes --------------------------------------------------------------------
+
+
+@dataclass
+class Rejection:
+    """Why a candidate did not fuse: a failed constraint, or where the pattern diverged."""
+
+    pass_name: str
+    rule: str
+    node: str
+    reason: str
+    constraint: str | None = None
+
+
+@dataclass
+class _Variant:
+    rule: Rule
+    present: tuple[str, ...]  # the optional parameters this variant has
+    names: list[str]  # its parameters, in order
+    examples: list[Any]
+    pattern: pm.PatternExpr
+    act_dtypes: set[torch.dtype] = field(default_factory=set)  # traced to this same pattern
+
+    @property
+    def label(self) -> str:
+        return self.rule.name + "".join(f"+{p}" for p in self.present)
+
+
+@dataclass
+class Rule:
+    name: str
+    search: Callable
+    replace: Callable
+    constraints: Sequence[Constraint]
+    dtypes: Sequence[torch.dtype]
+    specs: dict[str, Any]
+    variants: list[_Variant] = field(default_factory=list)
+
+    def optional(self) -> list[str]:
+        sig = inspect.signature(self.search)
+        return [n for n, p in sig.parameters.items() if p.default is None]
+
+    def defaults(self) -> dict[str, Any]:
+        sig = inspect.signature(self.search)
+        return {n: p.default for n, p in sig.parameters.items() if p.default is not p.empty}
+
+
+class FusionPass:
+    """A named graph pass made of rules; runs Inductor's pattern matcher over a graph."""
+
+    def __init__(self, name: str, description: str):
+        self.name = name
+        self.description = description
+        self.rules: list[Rule] = []
+        self.rejections: list[Rejection] = []
+        self._matcher: pm.PatternMatcherPass | None = None
+
+    def rule(
+        self,
+        replace: Callable,
+        constraints: Sequence[Constraint] = (),
+        dtypes: Sequence[torch.dtype] = ACTIVATION_DTYPES,
+        specs: dict[str, Any] | None = None,
+        name: str | None = None,
+    ) -> Callable[[Callable], Callable]:
+        """Register `search -> replace`. `specs` overrides parameter annotations."""
+
+        def decorator(search: Callable) -> Callable:
+            hints = dict(specs) if specs else _annotations(search)
+            self.rules.append(
+                Rule(name or search.__name__, search, replace, constraints, dtypes, hints)
+            )
+            self._matcher = None
+            return search
+
+        return decorator
+
+    # --- registration with Inductor -------------------------------------------------------
+
+    def matcher(self) -> pm.PatternMatcherPass:
+        if self._matcher is None:
+            matcher = pm.PatternMatcherPass(pass_name=f"beamfx.{self.name}")
+            for rule in self.rules:
+                rule.variants = list(_trace_variants(rule))
+            # The largest pattern wins: a node is offered to the variants that cover the
+            # most ops first (with the all-reduce and finalize before without them).
+            variants = [v for rule in self.rules for v in rule.variants]
+            for v in sorted(variants, key=lambda v: -_size(v.pattern)):
+                pm.register_replacement(
+                    _positional(v.rule.search, v.names, v.present, v.rule),
+                    _positional(v.rule.replace, v.names, v.present, v.rule),
+                    v.examples,
+                    pm.fwd_only,
+                    matcher,
+                    extra_check=self._checker(v),
+                    search_fn_pattern=v.pattern,
+                )
+            self._matcher = matcher
+        return self._matcher
+
+    def _checker(self, variant: _Variant) -> Callable[[pm.Match], bool]:
+        scalars = {n: t for n, t in variant.rule.specs.items() if t in (float, int, bool, str)}
+        tensor_specs = {
+            n: t
+            for n, t in variant.rule.specs.items()
+            if isinstance(t, TensorSpec) and n in variant.names
+        }
+
+        def check(match: pm.Match) -> bool:
+            # A scalar wildcard binds constants only: a tensor there is another computation.
+            for n, t in scalars.items():
+                v = match.kwargs.get(n)
+                if n in match.kwargs and (isinstance(v, torch.fx.Node) or not _is(v, t)):
+                    return False
+            # Dtypes are part of a variant: the fp32 variant of a pattern that has no casts
+            # must not claim the same ops computed in bf16.
+            acts = set()
+            for n, spec in tensor_specs.items():
+                node = match.kwargs.get(n)
+                val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+                if val is None:
+                    continue
+                if spec.dtype is None:
+                    acts.add(val.dtype)
+                elif val.dtype != spec.dtype:
+                    return False
+            if len(acts) > 1 or not acts <= variant.act_dtypes:
+                return False
+            args = {
+                k: (v.meta.get("val") if isinstance(v, torch.fx.Node) else v)
+                for k, v in match.kwargs.items()
+            }
+            for c in variant.rule.constraints:
+                try:
+                    why = c.check(args)
+                except (KeyError, AttributeError, IndexError, StopIteration):
+                    continue  # this variant lacks the argument the constraint reads
+                if why is not None:
+                    node = match.output_nodes()[0]
+                    self.rejections.append(
+                        Rejection(self.name, variant.label, node.name, why, c.name)
+                    )
+                    return False
+            return True
+
+        return check
+
+    # --- running --------------------------------------------------------------------------
+
+    def __call__(self, graph: torch.fx.Graph) -> int:
+        return self.apply(graph)
+
+    def apply(self, graph: torch.fx.Graph) -> int:
+        """Rewrite every match in `graph`; return the number of matches replaced."""
+        self.rejections = []
+        matcher = self.matcher()
+        count = matcher.apply(graph)
+        graph.eliminate_dead_code()
+        return count
+
+    def anchors(self) -> set[Any]:
+        """The ops that root this pass's patterns: the candidates `explain` reports on."""
+        return {_root_target(v.pattern) for r in self.rules for v in r.variants}
+
+    def explain(self, graph: torch.fx.Graph) -> list[Rejection]:
+        """Why each remaining candidate (anchor node) did not fuse."""
+        self.matcher()
+        out = list(self.rejections)
+        rejected = {r.node for r in out}
+        for node in graph.nodes:
+            if node.op != "call_function" or node.name in rejected:
+                continue
+            fails = []
+            for rule in self.rules:
+                for v in rule.variants:
+                    root = _root_pattern(v.pattern)
+                    if node.target not in getattr(root, "fns", ()):
+                        continue
+                    result = root.match(node)
+                    if not pm.is_match(result):
+                        fails.append(f"{v.label}: {result}")
+            if fails:
+                fails.sort(key=len)
+                out.append(Rejection(self.name, "*", node.name, "pattern diverged: " + fails[0]))
+        return out
+
+    def source_hash(self) -> str:
+        """Hash of the code of every rule and replacement (part of the compile cache key)."""
+        h = hashlib.sha256(self.name.encode())
+        for rule in self.rules:
+            for fn in (rule.search, rule.replace):
+                try:
+                    h.update(inspect.getsource(inspect.getmodule(fn)).encode())
+                except (OSError, TypeError):
+                    h.update(fn.__qualname__.encode())
+            h.update(repr([(c.name) for c in rule.constraints]).encode())
+            h.update(repr([str(d) for d in rule.dtypes]).encode())
+        return h.hexdigest()
+
+
+# --- internals ---------------------------------------------------------------------------
+
+
+def _annotations(fn: Callable) -> dict[str, Any]:
+    hints = typing.get_type_hints(fn, include_extras=True)
+    out = {}
+    for name in inspect.signature(fn).parameters:
+        hint = hints.get(name)
+        args = typing.get_args(hint)
+        if args and type(None) in args:  # `X | None`
+            hint = next(a for a in args if a is not type(None))
+        if hint is None:
+            raise TypeError(
+                f"pattern {fn.__qualname__}: parameter {name!r} needs an annotation "
+                f"(Act['t h'], F32[...], I32[...], float, int, bool or str)"
+            )
+        out[name] = hint
+    return out
+
+
+def _positional(fn: Callable, names: list[str], present: tuple[str, ...], rule: Rule):
+    """`fn` called with `names` positionally; absent optionals as None, others defaulted."""
+    fixed = {n: None for n in rule.optional() if n not in present}
+    defaults = rule.defaults()
+
+    def call(*args):
+        kwargs = {**defaults, **fixed, **dict(zip(names, args))}
+        return fn(**{k: v for k, v in kwargs.items() if k in _params(fn)})
+
+    call.__signature__ = inspect.Signature(
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names]
+    )
+    call.__name__ = call.__qualname__ = f"{fn.__name__}__{'_'.join(present) or 'base'}"
+    return call
+
+
+def _is(value: Any, kind: type) -> bool:
+    if kind is float:
+        return isinstance(value, (float, int)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def _params(fn: Callable) -> set[str]:
+    if isinstance(fn, torch._ops.OpOverloadPacket):
+        return {a.name for a in fn.default._schema.arguments}
+    return set(inspect.signature(fn).parameters)
+
+
+def _trace_variants(rule: Rule):
+    """Trace every (optional pieces present) x (activation dtype) variant of a rule."""
+    optional = rule.optional()
+    seen: set[str] = set()
+    for k in range(len(optional) + 1):
+        for present in itertools.combinations(optional, k):
+            by_pattern: dict[str, _Variant] = {}
+            for act in rule.dtypes:
+                v = _trace_one(rule, present, act)
+                key = str(v.pattern)
+                if key in by_pattern:
+                    by_pattern[key].act_dtypes.add(act)
+                elif key not in seen:
+                    seen.add(key)
+                    v.act_dtypes.add(act)
+                    by_pattern[key] = v
+            yield from by_pattern.values()
+
+
+def _trace_one(rule: Rule, present: tuple[str, ...], act: torch.dtype) -> _Variant | None:
+    absent = set(rule.optional()) - set(present)
+    names = [n for n in inspect.signature(rule.search).parameters if n not in absent]
+    examples, sentinels, strings = [], {}, {}
+    floats, ints = iter(_FLOAT_SENTINELS), iter(_INT_SENTINELS)
+    for n in names:
+        spec = rule.specs[n]
+        if isinstance(spec, TensorSpec):
+            examples.append(spec.example(act))
+        elif spec is bool:
+            examples.append(True)
+            sentinels[n] = True
+        elif spec is float:
+            sentinels[n] = next(floats)
+            examples.append(sentinels[n])
+        elif spec is int:
+            sentinels[n] = next(ints)
+            examples.append(sentinels[n])
+        elif spec is str:
+            strings[_STR_SENTINEL.format(n)] = n
+            examples.append(_STR_SENTINEL.format(n))
+        else:
+            raise TypeError(f"pattern {rule.name}: parameter {n!r} has unsupported spec {spec!r}")
+    fn = _positional(rule.search, names, present, rule)
+    gm = _trace(fn, examples)
+    used = _used_names(gm, names, sentinels, strings)
+    if used != names:  # drop parameters this variant never reads (e.g. eps of an absent norm)
+        keep = [i for i, n in enumerate(names) if n in used]
+        names = [names[i] for i in keep]
+        examples = [examples[i] for i in keep]
+        fn = _positional(rule.search, names, present, rule)
+        gm = _trace(fn, examples)
+    numeric = {n: v for n, v in sentinels.items() if n in names and v is not True}
+    pattern = pm.fx_to_pattern(gm, ignore_types=(), argnames=names, scalar_workaround=numeric)
+    bools = {n for n, v in sentinels.items() if n in names and v is True}
+    _generalize(pattern, strings, bools)
+    return _Variant(rule, present, names, examples, pattern)
+
+
+def _trace(fn: Callable, examples: list[Any]) -> torch.fx.GraphModule:
+    """Trace on fake tensors: ops run their fake impls (collectives need no process group)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(e) if isinstance(e, torch.Tensor) else e for e in examples]
+        return pm.fwd_only(fn, fakes)
+
+
+def _used_names(gm, names, sentinels, strings) -> list[str]:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    used = set()
+    for name, ph in zip(names, placeholders):
+        if ph.users:
+            used.add(name)
+    consts = set()
+    for node in gm.graph.nodes:
+        for a in pm.pytree.tree_leaves((node.args, node.kwargs)):
+            if isinstance(a, (int, float, str)) and not isinstance(a, torch.fx.Node):
+                consts.add((type(a), a))
+    for n, v in sentinels.items():
+        if (type(v), v) in consts:
+            used.add(n)
+    for s, n in strings.items():
+        if (str, s) in consts:
+            used.add(n)
+    return [n for n in names if n in used]
+
+
+def _generalize(pattern: pm.PatternExpr, strings: dict[str, str], bools: set[str]) -> None:
+    """Turn string (and bool) sentinels left as literals into wildcards, in place."""
+    if not strings and not bools:
+        return
+    bool_name = next(iter(bools), None)
+    seen: set[int] = set()
+
+    def sub(a):
+        if isinstance(a, str) and a in strings:
+            return pm.KeywordArg(strings[a])
+        if bool_name is not None and a is True:
+            return pm.KeywordArg(bool_name)
+        if isinstance(a, (list, tuple)):
+            return type(a)(sub(x) for x in a)
+        walk(a)
+        return a
+
+    def walk(p):
+        if not isinstance(p, pm.PatternExpr) or id(p) in seen:
+            return
+        seen.add(id(p))
+        if isinstance(p, pm.MultiOutputPattern):
+            for o in p.outputs:
+                walk(o)
+        elif isinstance(p, pm._TargetArgsExpr):
+            p.args = tuple(sub(a) for a in p.args)
+            p.kwargs = {k: sub(v) for k, v in p.kwargs.items()}
+            p.flatten = p.pytree_flatten
+            p.flat_args_kwargs = p.flatten(p.args, p.kwargs)
+
+    walk(pattern)
+
+
+def _size(p: pm.PatternExpr) -> int:
+    seen: set[int] = set()
+
+    def count(q) -> int:
+        if not isinstance(q, pm.PatternExpr) or id(q) in seen:
+            return 0
+        seen.add(id(q))
+        if isinstance(q, pm.MultiOutputPattern):
+            return sum(count(o) for o in q.outputs)
+        if isinstance(q, pm._TargetArgsExpr):
+            return 1 + sum(count(a) for a in q.flat_args_kwargs[0])
+        return 0
+
+    return count(p)
+
+
+def _root_pattern(p: pm.PatternExpr) -> pm.PatternExpr:
+    return p.outputs[0] if isinstance(p, pm.MultiOutputPattern) else p
+
+
+def _root_target(p: pm.PatternExpr):
+    fns = getattr(_root_pattern(p), "fns", [None])
+    return fns[0]

@@ -1,0 +1,163 @@
+"""The pass manager: canonicalize -> the chosen fusion passes, in order -> lower leftovers.
+
+One `PassManager` is Inductor's post-grad custom pass (standalone through
+`beamfx.compile`, or inside vLLM through `beamfx.integrations.vllm`). Its `uuid()` feeds
+Inductor's cache key and changes with the pass list, any pass's code, or any option.
+It records a report per graph: matches per pass, nodes before/after, and `explain`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import beamfx
+from beamfx import passes as registry
+from beamfx.pattern import Rejection
+
+
+@dataclass
+class PassReport:
+    name: str
+    matches: int
+    nodes_before: int
+    nodes_after: int
+    seconds: float
+
+
+@dataclass
+class GraphReport:
+    """What the pipeline did to one graph (vLLM compiles a model as several graphs)."""
+
+    index: int
+    passes: list[PassReport] = field(default_factory=list)
+    explain: list[Rejection] = field(default_factory=list)
+    ops_before: dict[str, int] = field(default_factory=dict)
+    ops_after: dict[str, int] = field(default_factory=dict)
+
+    def matches(self, name: str) -> int:
+        return sum(p.matches for p in self.passes if p.name == name)
+
+
+class PassManager(CustomGraphPass):
+    """Ordered, named passes run as one Inductor post-grad pass."""
+
+    def __init__(
+        self,
+        passes: Sequence[str] | str = (),
+        *,
+        canonicalize: bool = True,
+        lower: bool = True,
+        explain: bool = False,
+    ):
+        self.names = registry.resolve(passes)
+        self.canonicalize = canonicalize
+        self.lower = lower
+        self.explain = explain
+        self.reports: list[GraphReport] = []
+
+    @property
+    def stages(self) -> list[str]:
+        return (
+            (["canonicalize"] if self.canonicalize else [])
+            + self.names
+            + (["lower"] if self.lower else [])
+        )
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        report = GraphReport(index=len(self.reports), ops_before=op_counts(graph))
+        for name in self.stages:
+            p = registry.get_pass(name)
+            before = len(graph.nodes)
+            start = time.perf_counter()
+            matches = p.apply(graph)
+            report.passes.append(
+                PassReport(name, matches, before, len(graph.nodes), time.perf_counter() - start)
+            )
+            if self.explain and name in self.names:
+                report.explain.extend(p.explain(graph))
+        graph.lint()
+        report.ops_after = op_counts(graph)
+        self.reports.append(report)
+
+    def uuid(self) -> str:
+        h = hashlib.sha256(beamfx.__version__.encode())
+        h.update(_FRAMEWORK_HASH)
+        h.update(json.dumps(self.options()).encode())
+        for name in self.stages:
+            h.update(name.encode())
+            h.update(registry.get_pass(name).source_hash().encode())
+        return h.hexdigest()
+
+    def options(self) -> dict[str, Any]:
+        return {"passes": self.names, "canonicalize": self.canonicalize, "lower": self.lower}
+
+    # --- reports -------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        """Totals over every graph compiled so far, plus the per-graph reports."""
+        totals = Counter()
+        seconds = Counter()
+        for r in self.reports:
+            for p in r.passes:
+                totals[p.name] += p.matches
+                seconds[p.name] += p.seconds
+        return {
+            "passes": self.names,
+            "graphs": len(self.reports),
+            "matches": {n: totals[n] for n in self.stages},
+            "seconds": {n: round(seconds[n], 4) for n in self.stages},
+            "per_graph": [asdict(r) for r in self.reports],
+        }
+
+    def format_text(self) -> str:
+        s = self.summary()
+        lines = [f"beamfx passes: {', '.join(self.names) or '(none)'}; graphs: {s['graphs']}"]
+        for n in self.stages:
+            lines.append(
+                f"  {n:<14} matches {s['matches'][n]:>4}   {s['seconds'][n] * 1e3:8.1f} ms"
+            )
+        for r in self.reports:
+            for rej in r.explain:
+                where = f"[{rej.constraint}] " if rej.constraint else ""
+                lines.append(
+                    f"  not fused: graph {r.index} {rej.node} ({rej.pass_name}/"
+                    f"{rej.rule}): {where}{rej.reason}"
+                )
+        return "\n".join(lines)
+
+
+def _framework_hash() -> bytes:
+    """The code every pass runs through: the matcher glue, this manager, the op registry."""
+    import inspect
+
+    from beamfx import ops, pattern
+
+    h = hashlib.sha256()
+    for mod in (ops, pattern, registry):
+        h.update(inspect.getsource(mod).encode())
+    h.update(inspect.getsource(PassManager).encode())
+    return h.digest()
+
+
+def op_counts(graph: torch.fx.Graph) -> dict[str, int]:
+    """How many calls of each beamfx op (and all-reduce collectives) the graph holds."""
+    c = Counter()
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = str(node.target)
+        if name.startswith("beamfx.") or "all_reduce" in name:
+            c[name.removesuffix(".default")] += 1
+    return dict(sorted(c.items()))
+
+
+_FRAMEWORK_HASH = _framework_hash()

@@ -1,0 +1,57 @@
+"""Lower leftovers: every Beam IR op no fusion claimed becomes its reference torch code again.
+
+Runs last, so Inductor fuses the leftovers like any plain-torch code; a compiled model
+with no fusion passes is then the same graph as one written without Beam IR.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._inductor import pattern_matcher as pm
+
+from beamfx import ops
+
+
+class Lower:
+    name = "lower"
+    description = "Beam IR ops that no pass fused -> their reference torch code"
+
+    def __init__(self):
+        self._matcher: pm.PatternMatcherPass | None = None
+
+    def matcher(self) -> pm.PatternMatcherPass:
+        if self._matcher is None:
+            self._matcher = pm.PatternMatcherPass(pass_name="beamfx.lower")
+            for opdef in ops.semantic_ops():
+                self._register(opdef)
+        return self._matcher
+
+    def _register(self, opdef: ops.OpDef) -> None:
+        schema = opdef.op.default._schema
+        names = [a.name for a in schema.arguments]
+        pattern = pm.CallFunction(opdef.op.default, *[pm.KeywordArg(n) for n in names])
+
+        @pm.register_graph_pattern(pattern, pass_dict=self._matcher)
+        def lower(match: pm.Match, **kwargs):
+            match.replace_by_example(opdef.reference, [kwargs[n] for n in names])
+
+    def apply(self, graph: torch.fx.Graph) -> int:
+        return self.matcher().apply(graph)
+
+    __call__ = apply
+
+    def source_hash(self) -> str:
+        import hashlib
+        import inspect
+
+        from beamfx.kernels.boundary import reference as b
+        from beamfx.kernels.moe import reference as m
+        from beamfx.kernels.norm import reference as n
+
+        h = hashlib.sha256()
+        for mod in (b, m, n, ops):
+            h.update(inspect.getsource(mod).encode())
+        return h.hexdigest()
+
+
+PASS = Lower()
