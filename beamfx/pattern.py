@@ -3,7 +3,7 @@
     boundary = FusionPass("boundary", "post-norm + scaled residual + next norm -> one op")
 
     @boundary.rule(replace=fused, constraints=[dtype_in("x", torch.bfloat16)])
-    def dense(x: Act["t h"], residual: Act["t h"], w_post: Act["h"], eps: float,
+    def dense(x: Act[T, H], residual: Act[T, H], w_post: Act[H], eps: float,
               group_name: str | None = None):
         if group_name is not None:
             x = ir.all_reduce(x, group_name)
@@ -11,7 +11,7 @@
 
 The engine is Inductor's pattern matcher (`register_replacement` + `fwd_only` +
 `PatternMatcherPass`); this module only feeds it:
-- tensor parameters are annotated with their example shape (`Act["t h"]` takes each
+- tensor parameters are annotated with their example shape (`Act[T, H]` takes each
   activation dtype of the rule, `F32[...]`/`I32[...]` are fixed) and traced per dtype;
 - scalar parameters (`float`, `int`, `bool`, `str`) are wildcards: traced with a sentinel
   value and captured from the graph, never baked in one pattern per value;
@@ -48,7 +48,7 @@ class TensorSpec:
     dtype: torch.dtype | None  # None: the rule's activation dtype (a variant axis)
 
     def __or__(self, other: Any) -> TensorSpec:
-        return self  # `Act["h"] | None`: optionality comes from the None default
+        return self  # `Act[H] | None`: optionality comes from the None default
 
     def example(self, act: torch.dtype) -> torch.Tensor:
         shape = [DIM_SIZES.get(d, 5) for d in self.dims]
@@ -58,14 +58,24 @@ class TensorSpec:
         return torch.randn(shape).to(dtype)
 
 
+@dataclass(frozen=True)
+class Dim:
+    """A named dimension of a pattern's example tensors."""
+
+    name: str
+
+
 class _SpecFactory:
     def __init__(self, dtype: torch.dtype | None):
         self.dtype = dtype
 
-    def __getitem__(self, dims: str) -> TensorSpec:
-        return TensorSpec(tuple(dims.split()), self.dtype)
+    def __getitem__(self, dims: Dim | tuple[Dim, ...]) -> TensorSpec:
+        dims = dims if isinstance(dims, tuple) else (dims,)
+        return TensorSpec(tuple(d.name for d in dims), self.dtype)
 
 
+# Tokens, hidden, top-k, experts, intermediate, head dim, heads.
+T, H, K, E, I, D, N = (Dim(n) for n in "thkeidn")  # noqa: E741
 Act = _SpecFactory(None)
 F32 = _SpecFactory(torch.float32)
 I32 = _SpecFactory(torch.int32)
@@ -352,7 +362,7 @@ def _annotations(fn: Callable) -> dict[str, Any]:
         if hint is None:
             raise TypeError(
                 f"pattern {fn.__qualname__}: parameter {name!r} needs an annotation "
-                f"(Act['t h'], F32[...], I32[...], float, int, bool or str)"
+                f"(Act[T, H], F32[...], I32[...], float, int, bool or str)"
             )
         out[name] = hint
     return out

@@ -5,8 +5,10 @@ Optional pieces (the MoE finalize, the TP all-reduce, the next norm) are traced 
 variants; epsilons, residual scales and the routed scale are captured from the graph.
 """
 
+import torch
+
 from beamfx import ops as ir
-from beamfx.pattern import F32, Act, FusionPass, dtype_in, kernel_for
+from beamfx.pattern import F32, Act, FusionPass, H, K, T, dtype_in, kernel_for
 
 PASS = FusionPass(
     "boundary",
@@ -15,103 +17,42 @@ PASS = FusionPass(
 )
 
 
-def fused(
-    x,
-    residual,
-    w_post,
-    eps_post,
-    x_scale,
-    residual_scale,
-    group_name=None,
-    topk_weights=None,
-    routed_scale=1.0,
-    w_next=None,
-    eps_next=0.0,
-):
-    if w_next is None:
-        return ir.fused_boundary_residual(
-            x,
-            residual,
-            w_post,
-            eps_post,
-            x_scale,
-            residual_scale,
-            group_name,
-            topk_weights,
-            routed_scale,
-        )
-    return ir.fused_boundary(
-        x,
-        residual,
-        w_post,
-        w_next,
-        eps_post,
-        eps_next,
-        x_scale,
-        residual_scale,
-        group_name,
-        topk_weights,
-        routed_scale,
-    )
-
-
 def sandwich(out, residual, w_post, eps_post, x_scale, residual_scale, w_next, eps_next):
-    h = ir.scaled_residual_add(
-        ir.rms_norm(out, w_post, eps_post), residual, x_scale, residual_scale
-    )
+    t = ir.rms_norm(out, w_post, eps_post)
+    h = ir.scaled_residual_add(t, residual, x_scale, residual_scale)
     return h if w_next is None else (h, ir.rms_norm(h, w_next, eps_next))
 
 
-KERNEL_ARGS = (
-    "x",
-    "residual",
-    "w_post",
-    "w_next",
-    "eps_post",
-    "eps_next",
-    "x_scale",
-    "residual_scale",
-    "group_name",
-    "topk_weights",
-    "routed_scale",
-)
+def fused(x, residual, w_post, eps_post, x_scale, residual_scale, group_name=None,
+          topk_weights=None, routed_scale=1.0, w_next=None, eps_next=0.0):  # fmt: skip
+    reduce = (group_name, topk_weights, routed_scale)
+    scales = (x_scale, residual_scale)
+    if w_next is None:
+        return ir.fused_boundary_residual(x, residual, w_post, eps_post, *scales, *reduce)
+    return ir.fused_boundary(x, residual, w_post, w_next, eps_post, eps_next, *scales, *reduce)
+
+
 CONSTRAINTS = [
-    dtype_in("residual", ir.torch.bfloat16, ir.torch.float16),
-    kernel_for("fused_boundary", *KERNEL_ARGS),
-]
+    dtype_in("residual", torch.bfloat16, torch.float16),
+    kernel_for("fused_boundary", "x", "residual", "w_post", "w_next", "eps_post", "eps_next",
+               "x_scale", "residual_scale", "group_name", "topk_weights", "routed_scale"),
+]  # fmt: skip
 
 
 @PASS.rule(replace=fused, constraints=CONSTRAINTS)
-def dense(
-    x: Act["t h"],
-    residual: Act["t h"],
-    w_post: Act["h"],
-    eps_post: float,
-    x_scale: float,
-    residual_scale: float,
-    group_name: str | None = None,
-    w_next: Act["h"] | None = None,
-    eps_next: float = 0.0,
-):
+def dense(x: Act[T, H], residual: Act[T, H], w_post: Act[H], eps_post: float, x_scale: float,
+          residual_scale: float, group_name: str | None = None, w_next: Act[H] | None = None,
+          eps_next: float = 0.0):  # fmt: skip
     if group_name is not None:
         x = ir.all_reduce(x, group_name)
     return sandwich(x, residual, w_post, eps_post, x_scale, residual_scale, w_next, eps_next)
 
 
 @PASS.rule(replace=fused, constraints=CONSTRAINTS)
-def moe(
-    x: Act["t k h"],
-    topk_weights: F32["t k"],
-    routed_scale: float,
-    residual: Act["t h"],
-    w_post: Act["h"],
-    eps_post: float,
-    x_scale: float,
-    residual_scale: float,
-    group_name: str | None = None,
-    w_next: Act["h"] | None = None,
-    eps_next: float = 0.0,
-):
+def moe(x: Act[T, K, H], topk_weights: F32[T, K], routed_scale: float, residual: Act[T, H],
+        w_post: Act[H], eps_post: float, x_scale: float, residual_scale: float,
+        group_name: str | None = None, w_next: Act[H] | None = None,
+        eps_next: float = 0.0):  # fmt: skip
     out = ir.moe_finalize(x, topk_weights, routed_scale)
     if group_name is not None:
         out = ir.all_reduce(out, group_name)

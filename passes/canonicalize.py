@@ -7,19 +7,19 @@ Grouped top-k routing is not raised: its decomposition bakes token counts into v
 """
 
 from beamfx import ops
-from beamfx.pattern import F32, Act, FusionPass
+from beamfx.pattern import F32, Act, E, FusionPass, H, I, K, T  # noqa: E741
 
 PASS = FusionPass("canonicalize", "plain-torch decompositions of Beam IR math -> Beam IR ops")
 
 RAISE = {
-    "rms_norm": dict(x=Act["t h"], weight=Act["h"], eps=float),
-    "silu_mul": dict(gate=Act["t i"], up=Act["t i"]),
+    "rms_norm": dict(x=Act[T, H], weight=Act[H], eps=float),
+    "silu_mul": dict(gate=Act[T, I], up=Act[T, I]),
     "scaled_residual_add": dict(
-        x=Act["t h"], residual=Act["t h"], x_scale=float, residual_scale=float
+        x=Act[T, H], residual=Act[T, H], x_scale=float, residual_scale=float
     ),
-    "moe_finalize": dict(rows=Act["t k h"], topk_weights=F32["t k"], routed_scale=float),
-    "router_logits": dict(x=Act["t h"], weight=F32["e h"]),
-    "all_reduce": dict(x=Act["t h"], group_name=str),
+    "moe_finalize": dict(rows=Act[T, K, H], topk_weights=F32[T, K], routed_scale=float),
+    "router_logits": dict(x=Act[T, H], weight=F32[E, H]),
+    "all_reduce": dict(x=Act[T, H], group_name=str),
 }
 
 for _name, _specs in RAISE.items():
