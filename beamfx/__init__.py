@@ -21,18 +21,19 @@ def compile(
     """`torch.compile` with beamfx's pass pipeline as Inductor's post-grad custom pass.
 
     `passes` names fusion passes (see `beamfx passes`), "all", or () for none (Beam IR is
-    then lowered back to plain torch code). The returned module carries the pass manager
-    as `.beamfx` (reports, `summary()`, `format_text()`).
+    then lowered back to plain torch code). `options` go to Inductor (by default with
+    `emulate_precision_casts`). The returned module carries the pass manager as
+    `.beamfx` (reports, `summary()`, `format_text()`).
     """
     import torch
 
     from beamfx.pipeline import PassManager
 
     manager = PassManager(passes, explain=explain)
-    compiled = torch.compile(
-        model,
-        options={**(options or {}), "post_grad_custom_post_pass": manager},
-        **torch_compile_kwargs,
-    )
+    # Keep the bf16 roundings eager makes between ops that Inductor fuses, so a compiled
+    # model gives the outputs the plain model gives (the fused ops keep theirs anyway).
+    options = {"emulate_precision_casts": True, **(options or {})}
+    options["post_grad_custom_post_pass"] = manager
+    compiled = torch.compile(model, options=options, **torch_compile_kwargs)
     compiled.beamfx = manager
     return compiled

@@ -16,6 +16,7 @@ import torch
 
 from beamfx.kernels.boundary import reference as boundary_ref
 from beamfx.kernels.moe import reference as moe_ref
+from beamfx.kernels.norm import gate as gate_ref
 from beamfx.kernels.norm import reference as norm_ref
 from beamfx.kernels.router import reference as router_ref
 
@@ -187,6 +188,9 @@ FUSED_BOUNDARY_RESIDUAL = _define(
 )
 
 
+ATTN_GATE = _define(
+    "attn_gate", gate_ref.attn_gate, lambda out, gate, bias: _like(out), lower=False
+)
 ROUTER_GEMM = _define(
     "router_gemm",
     moe_ref.router_logits,
@@ -213,4 +217,5 @@ moe_finalize = MOE_FINALIZE.op
 fused_boundary = FUSED_BOUNDARY.op
 fused_boundary_residual = FUSED_BOUNDARY_RESIDUAL.op
 router_gemm = ROUTER_GEMM.op
+attn_gate = ATTN_GATE.op
 routed_topk = ROUTED_TOPK.op

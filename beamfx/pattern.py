@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import itertools
+import operator
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -52,7 +53,7 @@ class TensorSpec:
 
     def example(self, act: torch.dtype) -> torch.Tensor:
         shape = [DIM_SIZES.get(d, 5) for d in self.dims]
-        dtype = self.dtype or act
+        dtype = torch.float32 if self.dtype == "any" else (self.dtype or act)
         if dtype in (torch.int32, torch.int64):
             return torch.randint(0, DIM_SIZES["e"], shape, dtype=dtype)
         return torch.randn(shape).to(dtype)
@@ -78,6 +79,7 @@ class _SpecFactory:
 T, H, K, E, I, D, N = (Dim(n) for n in "thkeidn")  # noqa: E741
 Act = _SpecFactory(None)
 F32 = _SpecFactory(torch.float32)
+AnyFloat = _SpecFactory("any")  # any floating dtype, not a variant axis (e.g. a weight)
 I32 = _SpecFactory(torch.int32)
 
 # Sentinels stand for scalar wildcards while tracing; they must not occur otherwise.
@@ -198,9 +200,10 @@ class Rule:
 class FusionPass:
     """A named graph pass made of rules; runs Inductor's pattern matcher over a graph."""
 
-    def __init__(self, name: str, description: str):
+    def __init__(self, name: str, description: str, anchors: Sequence[Any] = ()):
         self.name = name
         self.description = description
+        self.anchor_ops = tuple(anchors)
         self.rules: list[Rule] = []
         self.rejections: list[Rejection] = []
         self._matcher: pm.PatternMatcherPass | None = None
@@ -272,6 +275,9 @@ class FusionPass:
                     continue
                 if spec.dtype is None:
                     acts.add(val.dtype)
+                elif spec.dtype == "any":
+                    if not val.dtype.is_floating_point:
+                        return False
                 elif val.dtype != spec.dtype:
                     return False
             if len(acts) > 1 or not acts <= variant.act_dtypes:
@@ -309,26 +315,36 @@ class FusionPass:
         return count
 
     def anchors(self) -> set[Any]:
-        """The ops that root this pass's patterns: the candidates `explain` reports on."""
+        """The ops `explain` reports on: declared, else the roots of the rules' patterns."""
+        self.matcher()
+        if self.anchor_ops:
+            return set(self.anchor_ops)
         return {_root_target(v.pattern) for r in self.rules for v in r.variants}
 
     def explain(self, graph: torch.fx.Graph) -> list[Rejection]:
-        """Why each remaining candidate (anchor node) did not fuse."""
-        self.matcher()
-        out = list(self.rejections)
-        rejected = {r.node for r in out}
+        """Why each remaining candidate (a node of an anchor op) did not fuse.
+
+        A failed constraint is reported as recorded during matching (the largest variant
+        that reached it); otherwise the pattern matcher's own account of where the
+        closest variant diverged from the graph.
+        """
+        anchors = self.anchors()
+        out: list[Rejection] = []
+        for r in self.rejections:
+            if r.node not in {o.node for o in out}:
+                out.append(r)
+        done = {r.node for r in out}
         for node in graph.nodes:
-            if node.op != "call_function" or node.name in rejected:
+            if node.op != "call_function" or node.target not in anchors or node.name in done:
                 continue
             fails = []
             for rule in self.rules:
                 for v in rule.variants:
                     root = _root_pattern(v.pattern)
-                    if node.target not in getattr(root, "fns", ()):
-                        continue
-                    result = root.match(node)
-                    if not pm.is_match(result):
-                        fails.append(f"{v.label}: {result}")
+                    for cand in _near(node, getattr(root, "fns", ())):
+                        result = root.match(cand)
+                        if not pm.is_match(result):
+                            fails.append(f"{v.label}: {result}")
             if fails:
                 fails.sort(key=len)
                 out.append(Rejection(self.name, "*", node.name, "pattern diverged: " + fails[0]))
@@ -462,7 +478,12 @@ def _trace(fn: Callable, examples: list[Any]) -> torch.fx.GraphModule:
 
     with FakeTensorMode() as mode:
         fakes = [mode.from_tensor(e) if isinstance(e, torch.Tensor) else e for e in examples]
-        return pm.fwd_only(fn, fakes)
+        gm = pm.fwd_only(fn, fakes)
+    # Inductor turns views into reshapes before post-grad custom passes run; so do we.
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
+        node.target = torch.ops.aten.reshape.default
+    gm.recompile()
+    return gm
 
 
 def _used_names(gm, names, sentinels, strings) -> list[str]:
@@ -535,7 +556,27 @@ def _size(p: pm.PatternExpr) -> int:
 
 
 def _root_pattern(p: pm.PatternExpr) -> pm.PatternExpr:
-    return p.outputs[0] if isinstance(p, pm.MultiOutputPattern) else p
+    root = p.outputs[0] if isinstance(p, pm.MultiOutputPattern) else p
+    # A multi-output op is rooted at a getitem; the op itself is the candidate.
+    if isinstance(root, pm.CallFunction) and operator.getitem in root.fns:
+        root = root.args[0]
+    return root
+
+
+def _near(node: torch.fx.Node, targets, hops: int = 3) -> list[torch.fx.Node]:
+    """`node` or its users within a few hops whose op is one of `targets`."""
+    frontier, found, seen = [node], [], set()
+    for _ in range(hops + 1):
+        nxt = []
+        for n in frontier:
+            if n in seen:
+                continue
+            seen.add(n)
+            if n.target in targets:
+                found.append(n)
+            nxt.extend(n.users)
+        frontier = nxt
+    return found[:2]
 
 
 def _root_target(p: pm.PatternExpr):

@@ -8,6 +8,8 @@ from beamfx.pattern import FusionPass
 
 # name -> module defining `PASS`; "all" runs them in this order.
 PASSES: dict[str, str] = {
+    "attn_gate": "beamfx.passes.attn_gate",
+    "router_gemm": "beamfx.passes.router_gemm",
     "boundary": "beamfx.passes.boundary",
 }
 # Always-on stages around the chosen fusions (see beamfx.pipeline).

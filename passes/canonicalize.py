@@ -4,7 +4,11 @@ A model written in plain torch (as HF code is) traces to decomposed aten; each p
 here is the op's own reference function, traced per dtype, so what is raised is exactly
 the op's semantics. The fusion passes then match on meaning in either front end.
 Grouped top-k routing is not raised: its decomposition bakes token counts into views.
+The router GEMM is raised only from low-precision activations upcast to fp32: a plain
+fp32 linear is every other projection of an fp32 model too.
 """
+
+import torch
 
 from beamfx import ops
 from beamfx.pattern import F32, Act, E, FusionPass, H, I, K, T  # noqa: E741
@@ -22,6 +26,9 @@ RAISE = {
     "all_reduce": dict(x=Act[T, H], group_name=str),
 }
 
+DTYPES = {"router_logits": (torch.bfloat16, torch.float16)}
+
 for _name, _specs in RAISE.items():
     _op = ops.REGISTRY[_name]
-    PASS.rule(replace=_op.op, specs=_specs, name=_name)(_op.reference)
+    _dtypes = DTYPES.get(_name, (torch.bfloat16, torch.float16, torch.float32))
+    PASS.rule(replace=_op.op, specs=_specs, name=_name, dtypes=_dtypes)(_op.reference)

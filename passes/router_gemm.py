@@ -1,0 +1,30 @@
+"""Router fusion: the router GEMM (activations x fp32 or bf16 weight -> fp32 logits) becomes
+the low-latency `router_gemm`; with the grouped top-k routing that follows, `routed_topk`.
+
+The fused op picks its kernel by token count at run time (no recompiles): small batches
+take the router kernel, large ones cuBLAS.
+"""
+
+import torch
+
+from beamfx import ops as ir
+from beamfx.pattern import F32, Act, AnyFloat, E, FusionPass, H, T, dtype_in
+
+PASS = FusionPass(
+    "router_gemm",
+    "router GEMM (bf16 x fp32 -> fp32 logits) -> router_gemm; with the sigmoid grouped "
+    "top-k routing after it -> routed_topk",
+)
+CONSTRAINTS = [dtype_in("x", torch.bfloat16, torch.float16, torch.float32)]
+
+
+@PASS.rule(replace=lambda x, weight: ir.router_gemm(x, weight), constraints=CONSTRAINTS)
+def logits(x: Act[T, H], weight: AnyFloat[E, H]):
+    return ir.router_logits(x, weight)
+
+
+@PASS.rule(replace=ir.routed_topk, constraints=CONSTRAINTS)
+def routed(x: Act[T, H], weight: AnyFloat[E, H], correction_bias: F32[E], top_k: int,
+           n_group: int, topk_group: int, renormalize: bool):  # fmt: skip
+    logits = ir.router_logits(x, weight)
+    return ir.grouped_topk(logits, correction_bias, top_k, n_group, topk_group, renormalize)
