@@ -84,13 +84,16 @@ class BeamConfig(PretrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.rms_norm_eps = rms_norm_eps
         self.sliding_window = sliding_window
+        # Only a list or tuple is copied: list("sliding_attention") would hide the bad value.
         self.layer_types = (
-            list(layer_types)
+            _as_list(layer_types)
             if layer_types is not None
             else ["sliding_attention"] * num_hidden_layers
         )
         self.mlp_layer_types = (
-            list(mlp_layer_types) if mlp_layer_types is not None else ["sparse"] * num_hidden_layers
+            _as_list(mlp_layer_types)
+            if mlp_layer_types is not None
+            else ["sparse"] * num_hidden_layers
         )
         self.rope_parameters = (
             rope_parameters
@@ -232,6 +235,10 @@ class BeamConfig(PretrainedConfig):
                     f"Beam config {key}={getattr(self, key)} does not divide by tensor "
                     f"parallel world size {world_size}: choose a world size that divides it"
                 )
+
+
+def _as_list(value: Any) -> Any:
+    return list(value) if isinstance(value, list | tuple) else value
 
 
 def _default_head_dim(hidden: Any, heads: Any) -> int:

@@ -1,0 +1,47 @@
+"""Shared test set-up: hypothesis profiles and the tiny checkpoint.
+
+HYPOTHESIS_PROFILE=ci (default: few examples, quick) or thorough (many examples).
+"""
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    print_blob=True,
+)
+settings.register_profile(
+    "thorough",
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    print_blob=True,
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> str:
+    """The `tiny` preset's random-weight checkpoint, written once per session."""
+    from beamfx.checkpoint import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")), "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_prompt(tiny_checkpoint):
+    """Token ids [2, 16] on which the tiny model's routing has no near-tie (margin >= 0.02).
+
+    Near-ties let last-bit differences pick other experts (see `beamfx.cli.routing_margin`).
+    """
+    from beamfx.checkpoint import load_checkpoint
+    from beamfx.cli import stable_prompt
+
+    ids, margin = stable_prompt(load_checkpoint(tiny_checkpoint), 2, 16, seed=0)
+    assert margin >= 0.02, f"no prompt with a clear routing margin (best {margin})"
+    return ids
