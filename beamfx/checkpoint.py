@@ -45,38 +45,77 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
 
 
 def load_into(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-    """Copy HF-named full tensors into `model`, keeping this rank's shard. Returns names."""
+    """Copy HF-named full tensors into `model`, keeping this rank's shard. Returns names.
+
+    A stacked expert parameter counts as loaded only once every expert's tensors came.
+    """
     par = model.parallel
     params = dict(model.named_parameters())
     loaded = set()
+    expert_parts: dict[str, set[tuple[int, str]]] = {}
     for name, w in weights:
         m = _EXPERT.match(name)
         if m:
             base, e, kind = m.group(1), int(m.group(2)), m.group(3)
+            param = f"{base}.w2" if kind == "down_proj" else f"{base}.w13"
+            if param not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in BeamForCausalLM")
+            stacked = params[param]
+            if not 0 <= e < stacked.shape[0]:
+                raise KeyError(
+                    f"checkpoint tensor {name!r} names expert {e}, but the model has "
+                    f"{stacked.shape[0]} experts: does config.json match the checkpoint?"
+                )
             if kind == "down_proj":
-                dst = params[f"{base}.w2"][e]
-                dst.data.copy_(w[:, par.shard(w.shape[1])])
+                h, inter = stacked.shape[1:]
+                _check_shape(name, w, (h, inter * par.world_size))
+                stacked.data[e].copy_(w[:, par.shard(w.shape[1])])
             else:
-                dst = params[f"{base}.w13"][e]
-                half = dst.shape[0] // 2
+                half, h = stacked.shape[1] // 2, stacked.shape[2]
+                _check_shape(name, w, (half * par.world_size, h))
                 rows = slice(0, half) if kind == "gate_proj" else slice(half, 2 * half)
-                dst.data[rows].copy_(w[par.shard(w.shape[0])])
-            loaded.add(f"{base}.w13" if kind != "down_proj" else f"{base}.w2")
+                stacked.data[e, rows].copy_(w[par.shard(w.shape[0])])
+            parts = expert_parts.setdefault(param, set())
+            parts.add((e, kind))
+            if len(parts) == stacked.shape[0] * (1 if kind == "down_proj" else 2):
+                loaded.add(param)
             continue
         if name not in params:
             raise KeyError(f"checkpoint tensor {name!r} has no place in BeamForCausalLM")
+        shape = tuple(params[name].shape)
         if _COLUMN.search(name):
+            _check_shape(name, w, (shape[0] * par.world_size, *shape[1:]))
             w = w[par.shard(w.shape[0])]
         elif _ROW.search(name):
+            _check_shape(name, w, (shape[0], shape[1] * par.world_size))
             w = w[:, par.shard(w.shape[1])]
-        if w.shape != params[name].shape:
-            raise ValueError(
-                f"checkpoint tensor {name!r} has shape {tuple(w.shape)} but the model expects "
-                f"{tuple(params[name].shape)}: does config.json match the checkpoint?"
-            )
+        else:
+            _check_shape(name, w, shape)
         params[name].data.copy_(w)
         loaded.add(name)
     return loaded
+
+
+def _check_shape(name: str, w: torch.Tensor, expected: tuple[int, ...]) -> None:
+    # Checked on the full tensor: copy_ would broadcast a wrong one, slicing would hide it.
+    if tuple(w.shape) != tuple(expected):
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(w.shape)} but the model expects "
+            f"{tuple(expected)}: does config.json match the checkpoint?"
+        )
+
+
+def hf_names(model) -> set[str]:
+    """The HF tensor names of a full checkpoint of `model` (experts one by one)."""
+    names = set()
+    for name, p in model.named_parameters():
+        m = re.match(r"(.*\.mlp\.experts)\.(w13|w2)$", name)
+        if not m:
+            names.add(name)
+            continue
+        kinds = ("gate_proj", "up_proj") if m.group(2) == "w13" else ("down_proj",)
+        names.update(f"{m.group(1)}.{e}.{k}.weight" for e in range(p.shape[0]) for k in kinds)
+    return names
 
 
 def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -99,8 +138,15 @@ def load_checkpoint(
     from beamfx.models.beam import BeamForCausalLM
 
     model = BeamForCausalLM(load_config(path), parallel, dtype, frontend)
-    expected = {n for n, _ in model.named_parameters()}
-    missing = expected - load_into(model, iter_safetensors(path))
+    seen = set()
+
+    def weights():
+        for name, w in iter_safetensors(path):
+            seen.add(name)
+            yield name, w
+
+    load_into(model, weights())
+    missing = hf_names(model) - seen
     if missing:
         raise ValueError(
             f"checkpoint {path!r} lacks {sorted(missing)[:5]} (and {max(0, len(missing) - 5)} more)"
