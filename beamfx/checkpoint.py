@@ -10,6 +10,8 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from beamfx.config import BeamConfig, preset
+from beamfx.quant import check_loaded as check_nvfp4_loaded
+from beamfx.quant import load_expert_scale
 
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # Row-parallel weights are split along their input (dim 1); column-parallel along output.
@@ -80,6 +82,10 @@ def load_into(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
             if len(parts) == stacked.shape[0] * (1 if kind == "down_proj" else 2):
                 loaded.add(param)
             continue
+        nvfp4_scale = load_expert_scale(model, name, w)  # ModelOpt NVFP4 expert scales
+        if nvfp4_scale is not None:
+            loaded.add(nvfp4_scale)
+            continue
         if name not in params:
             raise KeyError(f"checkpoint tensor {name!r} has no place in BeamForCausalLM")
         shape = tuple(params[name].shape)
@@ -146,6 +152,7 @@ def load_checkpoint(
             yield name, w
 
     load_into(model, weights())
+    check_nvfp4_loaded(model)
     missing = hf_names(model) - seen
     if missing:
         raise ValueError(

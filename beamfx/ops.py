@@ -66,6 +66,16 @@ PROVIDERS: dict[str, list[str]] = {
     "fused_boundary_residual": ["beamfx.kernels.boundary.triton:FUSED_BOUNDARY_RESIDUAL"],
     "router_gemm": ["beamfx.kernels.router.triton:ROUTER_GEMM"],
     "routed_topk": ["beamfx.kernels.router.triton:ROUTED_TOPK"],
+    "moe_experts": [
+        "beamfx.kernels.moe.triton:MOE_EXPERTS",
+        "beamfx.kernels.moe.grouped:MOE_EXPERTS",
+    ],
+    "moe_experts_nvfp4": ["beamfx.kernels.moe.triton:MOE_EXPERTS_NVFP4"],
+    "mega_moe": ["beamfx.kernels.moe.triton:MEGA_MOE", "beamfx.kernels.moe.grouped:MEGA_MOE"],
+    "mega_moe_nvfp4": [
+        "beamfx.kernels.moe.flashinfer:MEGA_MOE_NVFP4",
+        "beamfx.kernels.moe.triton:MEGA_MOE_NVFP4",
+    ],
 }
 _installed = False
 
@@ -219,3 +229,23 @@ fused_boundary_residual = FUSED_BOUNDARY_RESIDUAL.op
 router_gemm = ROUTER_GEMM.op
 attn_gate = ATTN_GATE.op
 routed_topk = ROUTED_TOPK.op
+
+
+# --- MoE experts on NVFP4 weights, and the fused MoE (experts + finalize) -----------------
+# Semantic: the plain model's experts when the checkpoint is ModelOpt NVFP4.
+MOE_EXPERTS_NVFP4 = _define(
+    "moe_experts_nvfp4",
+    moe_ref.moe_experts_nvfp4,
+    lambda x, w13, s13, g13, w2, *rest: x.new_empty(*rest[-1].shape, w2.shape[1]),
+    lower=False,
+)
+# Fused: what a pass rewrites `moe_finalize(moe_experts*(...), weights, scale)` into.
+MEGA_MOE = _define(
+    "mega_moe", moe_ref.mega_moe, lambda x, w, ids, w13, w2, s: _like(x), lower=False
+)
+MEGA_MOE_NVFP4 = _define(
+    "mega_moe_nvfp4", moe_ref.mega_moe_nvfp4, lambda x, w, ids, *rest: _like(x), lower=False
+)
+moe_experts_nvfp4 = MOE_EXPERTS_NVFP4.op
+mega_moe = MEGA_MOE.op
+mega_moe_nvfp4 = MEGA_MOE_NVFP4.op

@@ -25,6 +25,7 @@ from beamfx import ops as ir
 from beamfx.config import BeamConfig
 from beamfx.kernels.boundary import reference as boundary_ref
 from beamfx.kernels.moe import reference as moe_ref
+from beamfx.kernels.moe.nvfp4 import modelopt_nvfp4
 from beamfx.kernels.norm import reference as norm_ref
 from beamfx.kernels.precision import widen
 
@@ -37,6 +38,7 @@ FRONTENDS = {
         router_logits=ir.router_logits,
         grouped_topk=ir.grouped_topk,
         moe_experts=ir.moe_experts,
+        moe_experts_nvfp4=ir.moe_experts_nvfp4,
         moe_finalize=ir.moe_finalize,
     ),
     "torch": SimpleNamespace(
@@ -47,6 +49,7 @@ FRONTENDS = {
         router_logits=moe_ref.router_logits,
         grouped_topk=moe_ref.grouped_topk,
         moe_experts=moe_ref.moe_experts,
+        moe_experts_nvfp4=moe_ref.moe_experts_nvfp4,
         moe_finalize=moe_ref.moe_finalize,
     ),
 }
@@ -196,13 +199,55 @@ class BeamExperts(nn.Module):
         e, h = cfg.num_experts, cfg.hidden_size
         self.w13 = nn.Parameter(torch.zeros(e, 2 * inter, h, dtype=dtype))
         self.w2 = nn.Parameter(torch.zeros(e, h, inter, dtype=dtype))
+        self.ops = FRONTENDS["semantic"]
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return self.ops.moe_experts(x, self.w13, self.w2, topk_ids)
+
+
+class BeamExpertsNVFP4(nn.Module):
+    """Experts from a ModelOpt NVFP4 checkpoint, layout of `kernels/moe/nvfp4.py`.
+
+    Packed E2M1 weights w13 [E, 2I, H/2], w2 [E, H, I/2] (uint8); E4M3 block scales and
+    fp32 global scales (gate and up keep their own) as buffers. Input scales are kept for
+    W4A4 kernels; the W4A16 math does not use them.
+    """
+
+    def __init__(self, cfg: BeamConfig, par: Parallel, dtype: torch.dtype):
+        super().__init__()
+        inter = cfg.moe_intermediate_size // par.world_size
+        e, h = cfg.num_experts, cfg.hidden_size
+        if inter % 16 or h % 16:
+            raise ValueError(
+                f"NVFP4 experts need hidden ({h}) and per-rank moe_intermediate ({inter}) to be "
+                "multiples of 16 (one E4M3 scale per 16 values)"
+            )
+        packed = dict(dtype=torch.uint8)
+        self.w13 = nn.Parameter(torch.zeros(e, 2 * inter, h // 2, **packed), requires_grad=False)
+        self.w2 = nn.Parameter(torch.zeros(e, h, inter // 2, **packed), requires_grad=False)
+        e4m3, nan = dict(dtype=torch.float8_e4m3fn), float("nan")
+        # Scales are NaN until loaded, so a checkpoint without them cannot pass unnoticed.
+        self.register_buffer("w13_scale", torch.full((e, 2 * inter, h // 16), nan, **e4m3))
+        self.register_buffer("w2_scale", torch.full((e, h, inter // 16), nan, **e4m3))
+        self.register_buffer("w13_global", torch.full((e, 2), nan))
+        self.register_buffer("w2_global", torch.full((e,), nan))
+        self.register_buffer("w13_input_scale", torch.ones(e, 2))
+        self.register_buffer("w2_input_scale", torch.ones(e))
+        self.ops = FRONTENDS["semantic"]
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return self.ops.moe_experts_nvfp4(
+            x, self.w13, self.w13_scale, self.w13_global,
+            self.w2, self.w2_scale, self.w2_global, topk_ids,
+        )  # fmt: skip
 
 
 class BeamMoE(nn.Module):
     def __init__(self, cfg: BeamConfig, par: Parallel, dtype: torch.dtype):
         super().__init__()
         self.gate = BeamRouter(cfg)
-        self.experts = BeamExperts(cfg, par, dtype)
+        nvfp4 = modelopt_nvfp4(getattr(cfg, "quantization_config", None))
+        self.experts = (BeamExpertsNVFP4 if nvfp4 else BeamExperts)(cfg, par, dtype)
         self.top_k, self.n_group, self.topk_group = (
             cfg.num_experts_per_tok,
             cfg.n_group,
@@ -222,7 +267,7 @@ class BeamMoE(nn.Module):
             self.topk_group,
             self.renormalize,
         )
-        rows = self.ops.moe_experts(x, self.experts.w13, self.experts.w2, ids)
+        rows = self.experts(x, ids)
         return self.ops.moe_finalize(rows, weights, self.routed_scale)
 
 

@@ -1,6 +1,7 @@
 """Reference math of Beam's MoE (BEAM.md, "MLP and MoE"): the test oracle and the fallback."""
 
 import torch
+
 from beamfx.kernels.norm.reference import silu_mul
 from beamfx.kernels.precision import widen
 
@@ -63,3 +64,55 @@ def moe_finalize(
     """Weighted sum of the k expert rows times the routed scale, fp32, one rounding."""
     acc = (widen(rows) * widen(topk_weights).unsqueeze(-1)).sum(1)
     return (acc * routed_scale).to(rows.dtype)
+
+
+def moe_experts_nvfp4(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w13_global: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w2_global: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """`moe_experts` on NVFP4 experts: dequantize to the activation dtype, then the same math.
+
+    Layout (`kernels/moe/nvfp4.py`): `w13 [E, 2I, H/2]` uint8, `w13_scale [E, 2I, H/16]` E4M3,
+    `w13_global [E, 2]` (gate, up), `w2 [E, H, I/2]`, `w2_scale [E, H, I/16]`, `w2_global [E]`.
+    """
+    from beamfx.kernels.moe.nvfp4 import dequantize_experts
+
+    w13_dense, w2_dense = dequantize_experts(
+        w13, w13_scale, w13_global, w2, w2_scale, w2_global, dtype=x.dtype
+    )
+    return moe_experts(x, w13_dense, w2_dense, topk_ids)
+
+
+def mega_moe(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    routed_scale: float,
+) -> torch.Tensor:
+    """The whole routed MoE after routing: experts, then finalize (what the fused op computes)."""
+    return moe_finalize(moe_experts(x, w13, w2, topk_ids), topk_weights, routed_scale)
+
+
+def mega_moe_nvfp4(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w13_global: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w2_global: torch.Tensor,
+    routed_scale: float,
+) -> torch.Tensor:
+    """`mega_moe` on NVFP4 experts (layout of `moe_experts_nvfp4`)."""
+    rows = moe_experts_nvfp4(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_ids)
+    return moe_finalize(rows, topk_weights, routed_scale)

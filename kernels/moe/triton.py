@@ -1,0 +1,719 @@
+"""Triton MoE experts for Hopper: bf16 activations, bf16 or NVFP4 (W4A16) expert weights.
+
+Two launches per MoE layer, no routing pre-pass at small token counts:
+1. FC1 + SwiGLU: a program owns one expert and one tile of the intermediate dimension; it
+   multiplies that expert's token rows by the gate and up tiles (NVFP4 decoded in registers
+   to bf16, exactly: an E2M1 value times an E4M3 scale has at most 6 significant bits),
+   applies the global scales, rounds gate/up to bf16, and writes `silu(g) * u` (bf16).
+2. FC2 + combine: a program owns one expert and one tile of the hidden dimension; it
+   rounds each row to bf16 (the `moe_experts` contract), multiplies by the routing weight
+   and adds into an fp32 accumulator with atomics. The program that adds a token's last
+   (k-th) row, found by a per-(token, tile) arrival counter, multiplies by the routed
+   scale and writes the bf16 output: finalize costs no launch. FC1 zeroes the accumulator.
+   Without combine (the `moe_experts*` ops) FC2 writes the bf16 rows instead.
+
+Finding an expert's rows: up to `SCAN_MAX_PAIRS` (token, slot) pairs, program m stands for
+pair m and works only if m is the first pair routed to its expert; it then gathers that
+expert's pairs by a prefix count over all pair ids (cheap at decode sizes). Above that,
+a few torch ops sort the pairs by expert into blocks of `BM` rows (one program per block).
+The fp32 sums of the combine arrive in any order: results match the reference to fp32
+rounding before the final bf16 rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from beamfx.ops import Provider
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton on this platform: the reference serves
+    triton = None
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Pairs (tokens x top-k) up to which programs find their rows by scanning the ids.
+SCAN_MAX_PAIRS = 1024
+
+
+@dataclass(frozen=True)
+class Config:
+    """Tile sizes of the two launches (BM rows; FC1 tiles the intermediate, FC2 the hidden)."""
+
+    scan: bool
+    bm: int
+    bn1: int
+    bk1: int
+    bn2: int
+    bk2: int
+    warps1: int = 4
+    warps2: int = 4
+    stages1: int = 3
+    stages2: int = 3
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def pick_config(pairs: int, hidden: int, inter: int, fp4: bool) -> Config:
+    """Tiles by regime: decode-sized (scan, 16-row tiles, long K steps) or sorted blocks."""
+    if pairs <= SCAN_MAX_PAIRS:
+        bk = 256 if fp4 else 128
+        return Config(
+            scan=True,
+            bm=16,
+            bn1=_pow2_divisor(inter, 32),
+            bk1=_pow2_divisor(hidden, bk),
+            bn2=_pow2_divisor(hidden, 64),
+            bk2=_pow2_divisor(inter, bk),
+        )
+    return Config(
+        scan=False,
+        bm=64,
+        bn1=_pow2_divisor(inter, 64),
+        bk1=_pow2_divisor(hidden, 64),
+        bn2=_pow2_divisor(hidden, 128),
+        bk2=_pow2_divisor(inter, 64),
+        warps1=4,
+        warps2=8,
+    )
+
+
+if triton is not None:
+    if _INTERPRET:
+        # The interpreter truncates fp32 -> bf16 and multiplies bf16 tiles as raw bits:
+        # round by hand and widen dot operands (their products are exact in fp32 either way).
+        @triton.jit
+        def _round_bf16(v):
+            bits = v.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True)
+
+        @triton.jit
+        def _dot(a, b, acc):
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+
+    else:
+
+        @triton.jit
+        def _round_bf16(v):
+            """fp32 `v` rounded to nearest even bf16, kept in fp32."""
+            return v.to(tl.bfloat16).to(tl.float32)
+
+        @triton.jit
+        def _dot(a, b, acc):
+            """acc + a @ b: bf16 tensor-core products accumulated in fp32."""
+            return tl.dot(a, b, acc)
+
+    @triton.jit
+    def _e4m3_to_f32(s8):
+        """Values of E4M3 (fn) bytes, exact: sign, 4-bit exponent (bias 7), 3-bit mantissa."""
+        s = s8.to(tl.int32)
+        e = (s >> 3) & 0xF
+        m = s & 7
+        normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+        return tl.where((s & 0x80) != 0, -v, v)
+
+    @triton.jit
+    def _weight_tile(
+        w_ptr,
+        s_ptr,
+        row0,
+        k0,
+        stride_wn,
+        stride_sn,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        FP4: tl.constexpr,
+    ):
+        """W[row0:row0+BN, k0:k0+BK] as bf16, transposed to [BK, BN]."""
+        rn = row0 + tl.arange(0, BN)
+        if FP4:
+            rk = k0 // 2 + tl.arange(0, BK // 2)
+            packed = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :]).to(tl.int32)
+            codes = tl.join(packed & 0xF, packed >> 4).reshape(BN, BK)  # k = 2j (low), 2j+1
+            # E2M1 bits placed in an fp16: every code (0.5 as a subnormal) is value * 2^-14.
+            bits = ((codes & 7) << 9) | ((codes & 8) << 12)
+            vals = bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            rs = k0 // 16 + tl.arange(0, BK // 16)
+            scale = _e4m3_to_f32(tl.load(s_ptr + rn[:, None] * stride_sn + rs[None, :]))
+            w = vals.reshape(BN, BK // 16, 16) * (scale * 16384.0)[:, :, None]
+            w = w.reshape(BN, BK).to(tl.bfloat16)  # exact
+        else:
+            rk = k0 + tl.arange(0, BK)
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :])
+        return tl.trans(w)
+
+    @triton.jit
+    def _scan_rows(ids_ptr, p, n_pairs, P_PAD: tl.constexpr):
+        """Expert of pair p, whether p is its first pair, the id match mask and prefix counts."""
+        q = tl.arange(0, P_PAD)
+        ids = tl.load(ids_ptr + q, mask=q < n_pairs, other=-1)
+        e = tl.load(ids_ptr + p)
+        match = ids == e
+        first = tl.sum((match & (q < p)).to(tl.int32), axis=0) == 0
+        return e, first, match, tl.cumsum(match.to(tl.int32), axis=0), q
+
+    @triton.jit
+    def _scan_chunk(match, rank, q, c, count, BM: tl.constexpr):
+        """Pair indices of the expert's rows c*BM .. c*BM+BM-1 (by rank), and their mask."""
+        want = c * BM + tl.arange(0, BM) + 1
+        sel = (rank[None, :] == want[:, None]) & match[None, :]
+        pairs = tl.sum(tl.where(sel, q[None, :], 0), axis=1)
+        return pairs, want <= count
+
+    @triton.jit
+    def _fc1_tile(
+        x_ptr,
+        w_ptr,
+        s_ptr,
+        g_ptr,
+        h_ptr,
+        e,
+        pairs,
+        rmask,
+        pid_n,
+        hidden,
+        inter,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        TOPK: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        FP4: tl.constexpr,
+        STAGES: tl.constexpr,
+    ):
+        tok = (pairs // TOPK).to(tl.int64)
+        offs_k = tl.arange(0, BK)
+        n0 = pid_n * BN
+        w_e = w_ptr + e.to(tl.int64) * stride_we
+        s_e = s_ptr + e.to(tl.int64) * stride_se
+        acc_g = tl.zeros((BM, BN), tl.float32)
+        acc_u = tl.zeros((BM, BN), tl.float32)
+        for k0 in tl.range(0, hidden, BK, num_stages=STAGES):
+            a = tl.load(
+                x_ptr + tok[:, None] * hidden + (k0 + offs_k)[None, :],
+                mask=rmask[:, None],
+                other=0.0,
+            )
+            acc_g = _dot(
+                a, _weight_tile(w_e, s_e, n0, k0, stride_wn, stride_sn, BN, BK, FP4), acc_g
+            )
+            acc_u = _dot(
+                a, _weight_tile(w_e, s_e, inter + n0, k0, stride_wn, stride_sn, BN, BK, FP4), acc_u
+            )
+        if FP4:
+            acc_g = acc_g * tl.load(g_ptr + 2 * e)
+            acc_u = acc_u * tl.load(g_ptr + 2 * e + 1)
+        gate = _round_bf16(acc_g)
+        up = _round_bf16(acc_u)
+        h = _round_bf16(gate * tl.sigmoid(gate) * up)
+        offs_n = n0 + tl.arange(0, BN)
+        tl.store(
+            h_ptr + pairs[:, None].to(tl.int64) * inter + offs_n[None, :],
+            h.to(tl.bfloat16),
+            mask=rmask[:, None],
+        )
+
+    @triton.jit
+    def _fc1_kernel(
+        x_ptr,
+        ids_ptr,
+        order_ptr,
+        blocks_ptr,
+        w_ptr,
+        s_ptr,
+        g_ptr,
+        h_ptr,
+        zero_ptr,
+        n_zero,
+        n_pairs,
+        hidden,
+        inter,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        TOPK: tl.constexpr,
+        SCAN: tl.constexpr,
+        P_PAD: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        FP4: tl.constexpr,
+        STAGES: tl.constexpr,
+        ZERO_BLOCK: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        # Zero FC2's combine accumulator and arrival counters (stream order puts this first).
+        lin = pid_m * tl.num_programs(1) + pid_n
+        step = tl.num_programs(0) * tl.num_programs(1) * ZERO_BLOCK
+        for z in range(lin * ZERO_BLOCK, n_zero, step):
+            offs = z + tl.arange(0, ZERO_BLOCK)
+            tl.store(zero_ptr + offs, tl.zeros((ZERO_BLOCK,), tl.int32), mask=offs < n_zero)
+        if SCAN:
+            e, first, match, rank, q = _scan_rows(ids_ptr, pid_m, n_pairs, P_PAD)
+            if first:
+                count = tl.sum(match.to(tl.int32), axis=0)
+                for c in range(0, tl.cdiv(count, BM)):
+                    pairs, rmask = _scan_chunk(match, rank, q, c, count, BM)
+                    _fc1_tile(
+                        x_ptr,
+                        w_ptr,
+                        s_ptr,
+                        g_ptr,
+                        h_ptr,
+                        e,
+                        pairs,
+                        rmask,
+                        pid_n,
+                        hidden,
+                        inter,
+                        stride_we,
+                        stride_wn,
+                        stride_se,
+                        stride_sn,
+                        TOPK,
+                        BM,
+                        BN,
+                        BK,
+                        FP4,
+                        STAGES,
+                    )
+        else:
+            e = tl.load(blocks_ptr + 3 * pid_m)
+            if e >= 0:
+                r = tl.load(blocks_ptr + 3 * pid_m + 1) + tl.arange(0, BM)
+                rmask = r < tl.load(blocks_ptr + 3 * pid_m + 2)
+                pairs = tl.load(order_ptr + r, mask=rmask, other=0)
+                _fc1_tile(
+                    x_ptr,
+                    w_ptr,
+                    s_ptr,
+                    g_ptr,
+                    h_ptr,
+                    e,
+                    pairs,
+                    rmask,
+                    pid_n,
+                    hidden,
+                    inter,
+                    stride_we,
+                    stride_wn,
+                    stride_se,
+                    stride_sn,
+                    TOPK,
+                    BM,
+                    BN,
+                    BK,
+                    FP4,
+                    STAGES,
+                )
+
+    @triton.jit
+    def _fc2_tile(
+        h_ptr,
+        w_ptr,
+        s_ptr,
+        g_ptr,
+        topk_w_ptr,
+        out_ptr,
+        acc_ptr,
+        cnt_ptr,
+        routed_scale,
+        e,
+        pairs,
+        rmask,
+        pid_n,
+        n_tiles,
+        hidden,
+        inter,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        TOPK: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        FP4: tl.constexpr,
+        COMBINE: tl.constexpr,
+        STAGES: tl.constexpr,
+    ):
+        offs_k = tl.arange(0, BK)
+        n0 = pid_n * BN
+        w_e = w_ptr + e.to(tl.int64) * stride_we
+        s_e = s_ptr + e.to(tl.int64) * stride_se
+        rows64 = pairs.to(tl.int64)
+        acc = tl.zeros((BM, BN), tl.float32)
+        for k0 in tl.range(0, inter, BK, num_stages=STAGES):
+            a = tl.load(
+                h_ptr + rows64[:, None] * inter + (k0 + offs_k)[None, :],
+                mask=rmask[:, None],
+                other=0.0,
+            )
+            acc = _dot(a, _weight_tile(w_e, s_e, n0, k0, stride_wn, stride_sn, BN, BK, FP4), acc)
+        if FP4:
+            acc = acc * tl.load(g_ptr + e)
+        rows = _round_bf16(acc)  # each expert row is rounded to bf16, as `moe_experts` does
+        offs_n = n0 + tl.arange(0, BN)
+        if COMBINE:
+            tok = (pairs // TOPK).to(tl.int64)
+            weight = tl.load(topk_w_ptr + pairs, mask=rmask, other=0.0).to(tl.float32)
+            dst = tok[:, None] * hidden + offs_n[None, :]
+            tl.atomic_add(acc_ptr + dst, rows * weight[:, None], mask=rmask[:, None], sem="relaxed")
+            # Every thread's adds precede the arrival count (barrier, then a release).
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + tok * n_tiles + pid_n, 1, mask=rmask, sem="acq_rel")
+            last = rmask & (arrived == TOPK - 1)
+            tl.debug_barrier()
+            total = tl.load(acc_ptr + dst, mask=last[:, None], other=0.0, cache_modifier=".cg")
+            tl.store(
+                out_ptr + dst, _round_bf16(total * routed_scale).to(tl.bfloat16), mask=last[:, None]
+            )
+        else:
+            tl.store(
+                out_ptr + rows64[:, None] * hidden + offs_n[None, :],
+                rows.to(tl.bfloat16),
+                mask=rmask[:, None],
+            )
+
+    @triton.jit
+    def _fc2_kernel(
+        h_ptr,
+        ids_ptr,
+        order_ptr,
+        blocks_ptr,
+        w_ptr,
+        s_ptr,
+        g_ptr,
+        topk_w_ptr,
+        out_ptr,
+        acc_ptr,
+        cnt_ptr,
+        routed_scale,
+        n_pairs,
+        hidden,
+        inter,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        TOPK: tl.constexpr,
+        SCAN: tl.constexpr,
+        P_PAD: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        FP4: tl.constexpr,
+        COMBINE: tl.constexpr,
+        STAGES: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        n_tiles = tl.num_programs(1)
+        if SCAN:
+            e, first, match, rank, q = _scan_rows(ids_ptr, pid_m, n_pairs, P_PAD)
+            if first:
+                count = tl.sum(match.to(tl.int32), axis=0)
+                for c in range(0, tl.cdiv(count, BM)):
+                    pairs, rmask = _scan_chunk(match, rank, q, c, count, BM)
+                    _fc2_tile(
+                        h_ptr,
+                        w_ptr,
+                        s_ptr,
+                        g_ptr,
+                        topk_w_ptr,
+                        out_ptr,
+                        acc_ptr,
+                        cnt_ptr,
+                        routed_scale,
+                        e,
+                        pairs,
+                        rmask,
+                        pid_n,
+                        n_tiles,
+                        hidden,
+                        inter,
+                        stride_we,
+                        stride_wn,
+                        stride_se,
+                        stride_sn,
+                        TOPK,
+                        BM,
+                        BN,
+                        BK,
+                        FP4,
+                        COMBINE,
+                        STAGES,
+                    )
+        else:
+            e = tl.load(blocks_ptr + 3 * pid_m)
+            if e >= 0:
+                r = tl.load(blocks_ptr + 3 * pid_m + 1) + tl.arange(0, BM)
+                rmask = r < tl.load(blocks_ptr + 3 * pid_m + 2)
+                pairs = tl.load(order_ptr + r, mask=rmask, other=0)
+                _fc2_tile(
+                    h_ptr,
+                    w_ptr,
+                    s_ptr,
+                    g_ptr,
+                    topk_w_ptr,
+                    out_ptr,
+                    acc_ptr,
+                    cnt_ptr,
+                    routed_scale,
+                    e,
+                    pairs,
+                    rmask,
+                    pid_n,
+                    n_tiles,
+                    hidden,
+                    inter,
+                    stride_we,
+                    stride_wn,
+                    stride_se,
+                    stride_sn,
+                    TOPK,
+                    BM,
+                    BN,
+                    BK,
+                    FP4,
+                    COMBINE,
+                    STAGES,
+                )
+
+
+def sort_blocks(flat_ids: torch.Tensor, num_experts: int, bm: int):
+    """Pairs sorted by expert, and blocks [NB, 3] = (expert or -1, start, end) of <= bm rows.
+
+    NB is a bound from shapes alone (no host sync, CUDA-graph safe): one partial block per
+    expert plus the full ones.
+    """
+    n = flat_ids.numel()
+    sorted_ids, order = torch.sort(flat_ids, stable=True)
+    dev = flat_ids.device
+    offsets = torch.searchsorted(
+        sorted_ids, torch.arange(num_experts + 1, device=dev, dtype=sorted_ids.dtype)
+    )
+    counts = offsets[1:] - offsets[:-1]
+    n_blocks = (counts + bm - 1) // bm
+    block_end = torch.cumsum(n_blocks, 0)
+    bound = (n + bm - 1) // bm + min(num_experts, n)
+    b = torch.arange(bound, device=dev)
+    expert = torch.searchsorted(block_end, b, right=True)
+    valid = expert < num_experts
+    ec = expert.clamp(max=num_experts - 1)
+    start = offsets[ec] + (b - (block_end[ec] - n_blocks[ec])) * bm
+    blocks = torch.stack((torch.where(valid, expert, -1), start, offsets[ec + 1]), 1)
+    return order.to(torch.int32), blocks.to(torch.int32).contiguous()
+
+
+def moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    scales: tuple[torch.Tensor, ...] | None = None,
+    topk_weights: torch.Tensor | None = None,
+    routed_scale: float = 1.0,
+    config: Config | None = None,
+) -> torch.Tensor:
+    """Experts on bf16 `x [T, H]`: combined `[T, H]` if `topk_weights` is given, else rows.
+
+    `scales = (w13_scale, w13_global, w2_scale, w2_global)` makes `w13`/`w2` NVFP4 (packed
+    uint8, `kernels/moe/nvfp4.py` layout); None means bf16 weights `[E, 2I, H]`, `[E, H, I]`.
+    """
+    fp4 = scales is not None
+    t, k = topk_ids.shape
+    n_pairs, hidden = t * k, x.shape[1]
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    combine = topk_weights is not None
+    dev = x.device
+    if n_pairs == 0:
+        return x.new_zeros(t, hidden) if combine else x.new_zeros(t, k, hidden)
+    cfg = config or pick_config(n_pairs, hidden, inter, fp4)
+    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    if cfg.scan:
+        order = blocks = ids  # unused
+        grid_m = n_pairs
+    else:
+        order, blocks = sort_blocks(ids, num_experts, cfg.bm)
+        grid_m = blocks.shape[0]
+    if fp4:
+        s13, g13, s2, g2 = scales
+        s13, s2 = s13.view(torch.uint8), s2.view(torch.uint8)
+        g13, g2 = g13.float().contiguous(), g2.float().contiguous()
+    else:
+        s13, g13, s2, g2 = w13, w13, w2, w2  # unused
+    x = x.contiguous()
+    h = torch.empty(n_pairs, inter, device=dev, dtype=torch.bfloat16)
+    n_tiles2 = hidden // cfg.bn2
+    if combine:
+        work = torch.empty(t * hidden + t * n_tiles2, device=dev, dtype=torch.int32)
+        acc, counts = work[: t * hidden].view(torch.float32), work[t * hidden :]
+        out = torch.empty(t, hidden, device=dev, dtype=torch.bfloat16)
+        weights = topk_weights.reshape(-1).contiguous()
+    else:
+        work = acc = counts = weights = ids  # unused
+        out = torch.empty(t, k, hidden, device=dev, dtype=torch.bfloat16)
+    p_pad = triton.next_power_of_2(n_pairs) if cfg.scan else 1
+    _fc1_kernel[(grid_m, inter // cfg.bn1)](
+        x,
+        ids,
+        order,
+        blocks,
+        w13,
+        s13,
+        g13,
+        h,
+        work,
+        work.numel() if combine else 0,
+        n_pairs,
+        hidden,
+        inter,
+        w13.stride(0),
+        w13.stride(1),
+        s13.stride(0),
+        s13.stride(1),
+        TOPK=k,
+        SCAN=cfg.scan,
+        P_PAD=p_pad,
+        BM=cfg.bm,
+        BN=cfg.bn1,
+        BK=cfg.bk1,
+        FP4=fp4,
+        STAGES=cfg.stages1,
+        ZERO_BLOCK=1024,
+        num_warps=cfg.warps1,
+    )
+    _fc2_kernel[(grid_m, n_tiles2)](
+        h,
+        ids,
+        order,
+        blocks,
+        w2,
+        s2,
+        g2,
+        weights,
+        out,
+        acc,
+        counts,
+        float(routed_scale),
+        n_pairs,
+        hidden,
+        inter,
+        w2.stride(0),
+        w2.stride(1),
+        s2.stride(0),
+        s2.stride(1),
+        TOPK=k,
+        SCAN=cfg.scan,
+        P_PAD=p_pad,
+        BM=cfg.bm,
+        BN=cfg.bn2,
+        BK=cfg.bk2,
+        FP4=fp4,
+        COMBINE=combine,
+        STAGES=cfg.stages2,
+        num_warps=cfg.warps2,
+    )
+    return out
+
+
+LAUNCHES = 2  # per call at <= SCAN_MAX_PAIRS pairs; above, plus the torch sort ops
+
+
+# --- providers ----------------------------------------------------------------------------
+
+
+def _why_not(x: torch.Tensor, topk_ids: torch.Tensor, hidden: int, inter: int) -> str | None:
+    if triton is None:
+        return "Triton is not installed"
+    if x.device.type != "cuda" and not _INTERPRET:
+        return f"needs a CUDA tensor, got device {x.device}"
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 0):
+        return "needs compute capability 8.0 or newer (bf16 tensor cores)"
+    if x.dtype != torch.bfloat16:
+        return f"needs bf16 activations, got {x.dtype}"
+    if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        return f"needs x [T, H] and topk_ids [T, k], got {tuple(x.shape)}, {tuple(topk_ids.shape)}"
+    if hidden % 64 or inter % 32:
+        return f"needs hidden % 64 == 0 and moe_intermediate % 32 == 0, got {hidden}, {inter}"
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        return f"needs integer topk_ids, got {topk_ids.dtype}"
+    return None
+
+
+def _why_not_weights(fp4: bool, w13: torch.Tensor, w2: torch.Tensor) -> str | None:
+    want = torch.uint8 if fp4 else torch.bfloat16
+    if w13.dtype != want or w2.dtype != want:
+        return f"needs {want} expert weights, got {w13.dtype} and {w2.dtype}"
+    if w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        return "needs expert weights contiguous along K"
+    return None
+
+
+def moe_experts(x, w13, w2, topk_ids):
+    return moe(x, topk_ids, w13, w2)
+
+
+def supports_moe_experts(x, w13, w2, topk_ids):
+    return _why_not(x, topk_ids, x.shape[-1], w13.shape[1] // 2) or _why_not_weights(False, w13, w2)
+
+
+def mega_moe(x, topk_weights, topk_ids, w13, w2, routed_scale):
+    return moe(x, topk_ids, w13, w2, topk_weights=topk_weights, routed_scale=routed_scale)
+
+
+def supports_mega_moe(x, topk_weights, topk_ids, w13, w2, routed_scale):
+    return supports_moe_experts(x, w13, w2, topk_ids)
+
+
+def moe_experts_nvfp4(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_ids):
+    return moe(x, topk_ids, w13, w2, (w13_scale, w13_global, w2_scale, w2_global))
+
+
+def supports_moe_experts_nvfp4(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, ids):
+    return _why_not(x, ids, x.shape[-1], w13.shape[1] // 2) or _why_not_weights(True, w13, w2)
+
+
+def mega_moe_nvfp4(
+    x, topk_weights, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, routed_scale
+):
+    return moe(
+        x,
+        topk_ids,
+        w13,
+        w2,
+        (w13_scale, w13_global, w2_scale, w2_global),
+        topk_weights,
+        routed_scale,
+    )
+
+
+def supports_mega_moe_nvfp4(x, topk_weights, topk_ids, w13, *rest):
+    w2 = rest[2]
+    return _why_not(x, topk_ids, x.shape[-1], w13.shape[1] // 2) or _why_not_weights(True, w13, w2)
+
+
+_AVAILABLE = triton is not None and not _INTERPRET and torch.cuda.is_available()
+MOE_EXPERTS = Provider("triton", moe_experts, supports_moe_experts) if _AVAILABLE else None
+MEGA_MOE = Provider("triton", mega_moe, supports_mega_moe) if _AVAILABLE else None
+MOE_EXPERTS_NVFP4 = (
+    Provider("triton", moe_experts_nvfp4, supports_moe_experts_nvfp4) if _AVAILABLE else None
+)
+MEGA_MOE_NVFP4 = Provider("triton", mega_moe_nvfp4, supports_mega_moe_nvfp4) if _AVAILABLE else None
