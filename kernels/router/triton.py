@@ -1,0 +1,521 @@
+"""Triton providers of the MoE router: a low-latency router GEMM (bf16 x fp32 -> fp32
+logits) for small token counts, and the grouped top-k routing fused behind it.
+
+The GEMM splits K over many programs so that the whole chip streams the weight once. The
+fp32 weight is split exactly into three bf16 pieces (w = w1 + w2 + w3), so the bf16
+tensor-core products are exact and the fp32 accumulation gives fp32-GEMM accuracy. The
+last program to finish an output tile sums the split partials in a fixed order: one
+launch, deterministic. Above `TRITON_MAX_TOKENS` tokens cuBLAS serves
+(`F.linear(x.float(), w)`), chosen per call, so no shape recompiles.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from beamfx.kernels.router import reference
+
+from beamfx.ops import Provider
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+except ImportError:  # no Triton on this platform: the reference serves
+    triton = None
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Token counts up to this run the Triton GEMM; above, cuBLAS (measured crossover on an
+# H200, bench/NOTES.md).
+TRITON_MAX_TOKENS = 1024
+# Routing in Triton needs power-of-two tiles: experts and group sizes.
+MAX_EXPERTS = 1024
+_MAX_TILES = 2048
+
+if triton is not None:
+    if _INTERPRET:
+        # The interpreter lacks libdevice (numpy's exp serves) and multiplies bf16 tiles as
+        # their raw bits: widen them first (the products are exact in fp32 either way).
+
+        @triton.jit
+        def _exp(v):
+            return tl.exp(v)
+
+        @triton.jit
+        def _dot_bf16(a, b, acc):
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+
+        @triton.jit
+        def _exp(v):
+            """fp32 exp as CUDA's expf (torch.sigmoid uses it), not the fast ex2 form."""
+            return libdevice.exp(v)
+
+        @triton.jit
+        def _dot_bf16(a, b, acc):
+            """acc + a @ b: bf16 tensor-core products, exact, accumulated in fp32."""
+            return tl.dot(a, b, acc)
+
+    @triton.jit
+    def _route(
+        logits,
+        bias,
+        ROWS: tl.constexpr,
+        E: tl.constexpr,
+        N_GROUP: tl.constexpr,
+        TOPK_GROUP: tl.constexpr,
+        TOP_K: tl.constexpr,
+        K_POW2: tl.constexpr,
+        RENORM: tl.constexpr,
+    ):
+        """Grouped sigmoid top-k of a [ROWS, E] fp32 logits tile (reference.grouped_topk):
+        returns (weights, ids) tiles [ROWS, K_POW2]; columns >= TOP_K are padding."""
+        GROUP: tl.constexpr = E // N_GROUP
+        scores = tl.math.div_rn(1.0, 1.0 + _exp(-logits))
+        biased = scores + bias[None, :]
+        # Group score: sum of the top-2 biased scores of the group.
+        grouped = tl.reshape(biased, (ROWS, N_GROUP, GROUP))
+        top1, top1_at = tl.max(grouped, axis=2, return_indices=True)
+        if GROUP >= 2:
+            in_group = tl.arange(0, GROUP)
+            rest = tl.where(in_group[None, None, :] == top1_at[:, :, None], -float("inf"), grouped)
+            group_score = top1 + tl.max(rest, axis=2)
+        else:
+            group_score = top1
+        # The best TOPK_GROUP groups, as a bit mask per row.
+        groups = tl.arange(0, N_GROUP)
+        kept = tl.zeros([ROWS], dtype=tl.int32)
+        for _ in tl.static_range(TOPK_GROUP):
+            _, best = tl.max(group_score, axis=1, return_indices=True)
+            kept = kept | (1 << best)
+            group_score = tl.where(groups[None, :] == best[:, None], -float("inf"), group_score)
+        experts = tl.arange(0, E)
+        in_kept = ((kept[:, None] >> (experts[None, :] // GROUP)) & 1) != 0
+        candidates = tl.where(in_kept, biased, -float("inf"))
+        # Top-k experts among the kept groups; weights are the unbiased scores.
+        slots = tl.arange(0, K_POW2)
+        ids = tl.zeros([ROWS, K_POW2], dtype=tl.int32)
+        for j in tl.static_range(TOP_K):
+            _, best = tl.max(candidates, axis=1, return_indices=True)
+            ids = tl.where(slots[None, :] == j, best[:, None], ids)
+            candidates = tl.where(experts[None, :] == best[:, None], -float("inf"), candidates)
+        weights = tl.gather(scores, ids, axis=1)
+        weights = tl.where(slots[None, :] < TOP_K, weights, 0.0)
+        if RENORM:
+            weights = tl.math.div_rn(weights, tl.sum(weights, axis=1)[:, None])
+        return weights, ids
+
+    @triton.jit
+    def _route_rows(
+        logits_ptr,
+        bias_ptr,
+        weights_ptr,
+        ids_ptr,
+        row0,
+        n_tokens,
+        ROWS: tl.constexpr,
+        E: tl.constexpr,
+        N_GROUP: tl.constexpr,
+        TOPK_GROUP: tl.constexpr,
+        TOP_K: tl.constexpr,
+        K_POW2: tl.constexpr,
+        RENORM: tl.constexpr,
+    ):
+        rows = row0 + tl.arange(0, ROWS)
+        experts = tl.arange(0, E)
+        row_ok = rows < n_tokens
+        # .cg: the logits may come from other programs of this launch; bypass L1.
+        logits = tl.load(
+            logits_ptr + rows[:, None] * E + experts[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        bias = tl.load(bias_ptr + experts).to(tl.float32)
+        weights, ids = _route(logits, bias, ROWS, E, N_GROUP, TOPK_GROUP, TOP_K, K_POW2, RENORM)
+        slots = tl.arange(0, K_POW2)
+        out = rows[:, None] * TOP_K + slots[None, :]
+        ok = row_ok[:, None] & (slots[None, :] < TOP_K)
+        tl.store(weights_ptr + out, weights, mask=ok)
+        tl.store(ids_ptr + out, ids, mask=ok)
+
+    @triton.jit(do_not_specialize=["n_tokens"])
+    def _route_kernel(
+        logits_ptr,
+        bias_ptr,
+        weights_ptr,
+        ids_ptr,
+        n_tokens,
+        ROWS: tl.constexpr,
+        E: tl.constexpr,
+        N_GROUP: tl.constexpr,
+        TOPK_GROUP: tl.constexpr,
+        TOP_K: tl.constexpr,
+        K_POW2: tl.constexpr,
+        RENORM: tl.constexpr,
+    ):
+        row0 = tl.program_id(0) * ROWS
+        _route_rows(
+            logits_ptr, bias_ptr, weights_ptr, ids_ptr, row0, n_tokens,
+            ROWS, E, N_GROUP, TOPK_GROUP, TOP_K, K_POW2, RENORM,
+        )  # fmt: skip
+
+    @triton.jit
+    def _route_when_last(
+        logits_ptr,
+        bias_ptr,
+        weights_ptr,
+        ids_ptr,
+        route_count_ptr,
+        n_tokens,
+        BLOCK_T: tl.constexpr,
+        ROWS: tl.constexpr,
+        E: tl.constexpr,
+        N_GROUP: tl.constexpr,
+        TOPK_GROUP: tl.constexpr,
+        TOP_K: tl.constexpr,
+        K_POW2: tl.constexpr,
+        RENORM: tl.constexpr,
+    ):
+        # The program that finishes the last expert tile of these tokens routes them.
+        pid_t = tl.program_id(2)
+        tl.debug_barrier()
+        done = tl.atomic_add(route_count_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(0) - 1:
+            for sub in tl.static_range(0, BLOCK_T, ROWS):
+                _route_rows(
+                    logits_ptr, bias_ptr, weights_ptr, ids_ptr, pid_t * BLOCK_T + sub,
+                    n_tokens, ROWS, E, N_GROUP, TOPK_GROUP, TOP_K, K_POW2, RENORM,
+                )  # fmt: skip
+            tl.atomic_xchg(route_count_ptr + pid_t, 0)
+
+    @triton.jit(do_not_specialize=["n_tokens"])
+    def _router_gemm_kernel(
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        part_ptr,
+        tile_count_ptr,
+        bias_ptr,
+        weights_ptr,
+        ids_ptr,
+        route_count_ptr,
+        n_tokens,
+        hidden,
+        n_experts,
+        n_splits,
+        BLOCK_T: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        K_CHUNK: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+        SPLIT_POW2: tl.constexpr,
+        W_PIECES: tl.constexpr,
+        ROUTE: tl.constexpr,
+        ROUTE_ROWS: tl.constexpr,
+        E_ROUTE: tl.constexpr,
+        N_GROUP: tl.constexpr,
+        TOPK_GROUP: tl.constexpr,
+        TOP_K: tl.constexpr,
+        K_POW2: tl.constexpr,
+        RENORM: tl.constexpr,
+    ):
+        # Program (e, s, t) computes logits^T[e-tile, t-tile] over K chunk s: the weight
+        # tile is the MMA's M side (>= 16 rows) however few tokens there are.
+        pid_e = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        pid_t = tl.program_id(2)
+        offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        e_ok = offs_e < n_experts
+        t_ok = offs_t < n_tokens
+        acc = tl.zeros([BLOCK_E, BLOCK_T], dtype=tl.float32)
+        for kk in tl.static_range(0, K_CHUNK, BLOCK_K):
+            offs_k = pid_s * K_CHUNK + kk + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < hidden
+            w = tl.load(
+                w_ptr + offs_e[:, None].to(tl.int64) * hidden + offs_k[None, :],
+                mask=e_ok[:, None] & k_ok[None, :],
+                other=0.0,
+                eviction_policy="evict_first",
+            )
+            xt = tl.load(
+                x_ptr + offs_t[None, :].to(tl.int64) * hidden + offs_k[:, None],
+                mask=t_ok[None, :] & k_ok[:, None],
+                other=0.0,
+            )
+            # w = w1 + w2 + w3 exactly (8 + 8 + 8 mantissa bits): bf16 products are exact.
+            w1 = w.to(tl.bfloat16)
+            acc = _dot_bf16(w1, xt, acc)
+            if W_PIECES == 3:
+                rest = w - w1.to(tl.float32)
+                w2 = rest.to(tl.bfloat16)
+                w3 = (rest - w2.to(tl.float32)).to(tl.bfloat16)
+                acc = _dot_bf16(w2, xt, acc)
+                acc = _dot_bf16(w3, xt, acc)
+        out = offs_t[None, :] * n_experts + offs_e[:, None]
+        ok = e_ok[:, None] & t_ok[None, :]
+        if SPLIT_K:
+            tl.store(part_ptr + pid_s * n_tokens * n_experts + out, acc, mask=ok)
+            # Release the partial to the tile's last finisher, which sums all of them.
+            tl.debug_barrier()
+            tile = pid_t * tl.num_programs(0) + pid_e
+            arrived = tl.atomic_add(tile_count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_splits - 1:
+                splits = tl.arange(0, SPLIT_POW2)
+                parts = tl.load(
+                    part_ptr + splits[:, None, None] * n_tokens * n_experts + out[None, :, :],
+                    mask=(splits < n_splits)[:, None, None] & ok[None, :, :],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                tl.store(out_ptr + out, tl.sum(parts, axis=0), mask=ok)
+                tl.atomic_xchg(tile_count_ptr + tile, 0)
+                if ROUTE:
+                    _route_when_last(
+                        out_ptr, bias_ptr, weights_ptr, ids_ptr, route_count_ptr, n_tokens,
+                        BLOCK_T, ROUTE_ROWS, E_ROUTE, N_GROUP, TOPK_GROUP, TOP_K, K_POW2, RENORM,
+                    )  # fmt: skip
+        else:
+            tl.store(out_ptr + out, acc, mask=ok)
+            if ROUTE:
+                _route_when_last(
+                    out_ptr, bias_ptr, weights_ptr, ids_ptr, route_count_ptr, n_tokens,
+                    BLOCK_T, ROUTE_ROWS, E_ROUTE, N_GROUP, TOPK_GROUP, TOP_K, K_POW2, RENORM,
+                )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tiling of the router GEMM: an expert tile x a K chunk per program (split-K)."""
+
+    block_e: int
+    k_chunk: int
+    block_k: int
+    num_warps: int
+    max_block_t: int = 64
+
+
+# By token count (first whose bound holds); measured on an H200 (bench/NOTES.md).
+GEMM_CONFIGS: list[tuple[int, GemmConfig]] = [
+    (16, GemmConfig(block_e=32, k_chunk=256, block_k=128, num_warps=4)),
+    (64, GemmConfig(block_e=32, k_chunk=256, block_k=128, num_warps=4)),
+    (1 << 62, GemmConfig(block_e=64, k_chunk=1024, block_k=128, num_warps=4)),
+]
+# Rows a routing program holds at once (registers: ROWS x experts fp32 tiles).
+ROUTE_ROWS = 4
+ROUTE_WARPS = 2
+FUSED_ROUTING = True
+
+
+def _gemm_config(n_tokens: int) -> GemmConfig:
+    return next(c for bound, c in GEMM_CONFIGS if n_tokens <= bound)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """Arrival counters of the split-K tiles and routing blocks, zero between launches
+    (each launch's last arrivals reset them). Allocated once per device, before capture."""
+    if device not in _COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "router_gemm: its arrival counters are allocated on the first call, which "
+                "is inside CUDA graph capture here; run one call eagerly before capturing"
+            )
+        _COUNTERS[device] = torch.zeros(2 * _MAX_TILES, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
+
+
+def _routable(n_experts: int, n_group: int, topk_group: int, top_k: int) -> bool:
+    pow2 = lambda v: v > 0 and v & (v - 1) == 0
+    return (
+        pow2(n_experts)
+        and n_experts <= MAX_EXPERTS
+        and pow2(n_group)
+        and n_group <= 32
+        and n_experts % n_group == 0
+        and 0 < topk_group <= n_group
+        and 0 < top_k <= n_experts
+    )
+
+
+def _launch_gemm(
+    x2d: torch.Tensor,
+    weight: torch.Tensor,
+    logits: torch.Tensor,
+    route: tuple | None,
+    config: GemmConfig | None = None,
+) -> None:
+    n_tokens, hidden = x2d.shape
+    n_experts = weight.shape[0]
+    config = config or _gemm_config(n_tokens)
+    block_t = min(config.max_block_t, max(16, triton.next_power_of_2(n_tokens)))
+    n_splits = triton.cdiv(hidden, config.k_chunk)
+    grid = (triton.cdiv(n_experts, config.block_e), n_splits, triton.cdiv(n_tokens, block_t))
+    if grid[0] * grid[2] > _MAX_TILES:
+        raise ValueError(
+            f"router_gemm: {grid[0] * grid[2]} output tiles > {_MAX_TILES}; "
+            f"use cuBLAS above {TRITON_MAX_TOKENS} tokens"
+        )
+    counters = _counters(x2d.device)
+    partials = logits
+    if n_splits > 1:
+        partials = torch.empty((n_splits, n_tokens, n_experts), dtype=torch.float32,
+                               device=x2d.device)  # fmt: skip
+    if route is None:
+        bias, weights, ids = logits, logits, logits
+        n_group = topk_group = top_k = 1
+        renormalize = False
+    else:
+        bias, weights, ids, top_k, n_group, topk_group, renormalize = route
+    _router_gemm_kernel[grid](
+        x2d,
+        weight,
+        logits,
+        partials,
+        counters,
+        bias,
+        weights,
+        ids,
+        counters[_MAX_TILES:],
+        n_tokens,
+        hidden,
+        n_experts,
+        n_splits,
+        BLOCK_T=block_t,
+        BLOCK_E=config.block_e,
+        BLOCK_K=config.block_k,
+        K_CHUNK=config.k_chunk,
+        SPLIT_K=n_splits > 1,
+        SPLIT_POW2=triton.next_power_of_2(n_splits),
+        W_PIECES=3 if weight.dtype == torch.float32 else 1,
+        ROUTE=route is not None,
+        ROUTE_ROWS=min(ROUTE_ROWS, block_t),
+        E_ROUTE=n_experts if route is not None else 1,
+        N_GROUP=n_group,
+        TOPK_GROUP=topk_group,
+        TOP_K=top_k,
+        K_POW2=triton.next_power_of_2(top_k),
+        RENORM=bool(renormalize),
+        num_warps=config.num_warps,
+    )
+
+
+def _launch_route(logits, bias, weights, ids, top_k, n_group, topk_group, renormalize) -> None:
+    n_tokens, n_experts = logits.shape
+    _route_kernel[(triton.cdiv(n_tokens, ROUTE_ROWS),)](
+        logits,
+        bias,
+        weights,
+        ids,
+        n_tokens,
+        ROWS=ROUTE_ROWS,
+        E=n_experts,
+        N_GROUP=n_group,
+        TOPK_GROUP=topk_group,
+        TOP_K=top_k,
+        K_POW2=triton.next_power_of_2(top_k),
+        RENORM=bool(renormalize),
+        num_warps=ROUTE_WARPS,
+    )
+
+
+def router_gemm(
+    x: torch.Tensor, weight: torch.Tensor, *, config: GemmConfig | None = None
+) -> torch.Tensor:
+    """`reference.router_logits`: Triton split-K for few tokens, cuBLAS above the crossover.
+
+    `config` overrides the tiling (benchmark sweeps only).
+    """
+    hidden = x.shape[-1]
+    n_tokens = x.numel() // hidden if hidden else 0
+    if n_tokens > TRITON_MAX_TOKENS or n_tokens == 0:
+        return reference.router_logits(x, weight)
+    logits = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32, device=x.device)
+    _launch_gemm(x.reshape(n_tokens, hidden).contiguous(), weight.contiguous(), logits, None,
+                 config)  # fmt: skip
+    return logits
+
+
+def routed_topk(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    *,
+    fused: bool | None = None,
+    config: GemmConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.routed_topk`: router GEMM and grouped top-k, fused into the GEMM's last
+    programs when `fused` (default FUSED_ROUTING), else a second small kernel."""
+    hidden = x.shape[-1]
+    x2d = x.reshape(-1, hidden)
+    n_tokens, n_experts = x2d.shape[0], weight.shape[0]
+    if not _routable(n_experts, n_group, topk_group, top_k):
+        logits = router_gemm(x2d, weight)
+        return reference.grouped_topk(logits, correction_bias, top_k, n_group, topk_group,
+                                      renormalize)  # fmt: skip
+    weights = torch.empty((n_tokens, top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((n_tokens, top_k), dtype=torch.int32, device=x.device)
+    if n_tokens == 0:
+        return weights, ids
+    bias = correction_bias.contiguous()
+    fused = FUSED_ROUTING if fused is None else fused
+    if n_tokens <= TRITON_MAX_TOKENS and fused:
+        logits = torch.empty((n_tokens, n_experts), dtype=torch.float32, device=x.device)
+        route = (bias, weights, ids, top_k, n_group, topk_group, renormalize)
+        _launch_gemm(x2d.contiguous(), weight.contiguous(), logits, route, config)
+    else:
+        logits = router_gemm(x2d, weight, config=config)
+        _launch_route(logits, bias, weights, ids, top_k, n_group, topk_group, renormalize)
+    return weights, ids
+
+
+def _check_gemm(x: torch.Tensor, weight: torch.Tensor, *, need_cuda: bool = True) -> str | None:
+    if triton is None:
+        return "triton is not installed"
+    if need_cuda and x.device.type != "cuda":
+        return f"device {x.device.type} is not cuda"
+    if weight.device != x.device:
+        return f"weight on {weight.device}, x on {x.device}"
+    if x.dtype != torch.bfloat16:
+        return f"x dtype {x.dtype} is not bf16"
+    if weight.dtype not in (torch.float32, torch.bfloat16):
+        return f"weight dtype {weight.dtype} is not fp32/bf16"
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        return f"weight {tuple(weight.shape)} is not [experts, {x.shape[-1]}]"
+    return None
+
+
+def supports_router_gemm(x, weight) -> str | None:
+    """None if the provider runs these arguments (device, dtype and shape only), else why."""
+    return _check_gemm(x, weight)
+
+
+def supports_routed_topk(
+    x, weight, correction_bias, top_k, n_group, topk_group, renormalize
+) -> str | None:
+    """None if the provider runs these arguments (device, dtype and shape only), else why."""
+    reason = _check_gemm(x, weight)
+    if reason is not None:
+        return reason
+    n_experts = weight.shape[0]
+    if tuple(correction_bias.shape) != (n_experts,):
+        return f"correction_bias {tuple(correction_bias.shape)} is not ({n_experts},)"
+    if n_group <= 0 or n_experts % n_group or not 0 < topk_group <= n_group:
+        return f"n_group {n_group} / topk_group {topk_group} do not split {n_experts} experts"
+    if not 0 < top_k <= n_experts // n_group * topk_group:
+        return f"top_k {top_k} > experts in {topk_group} groups"
+    return None
+
+
+_AVAILABLE = triton is not None and not _INTERPRET and torch.cuda.is_available()
+ROUTER_GEMM = Provider("triton", router_gemm, supports_router_gemm) if _AVAILABLE else None
+ROUTED_TOPK = Provider("triton", routed_topk, supports_routed_topk) if _AVAILABLE else None

@@ -1,0 +1,263 @@
+"""The Triton boundary kernel against the reference contract (kernels/boundary/reference.py).
+
+CPU (CI): `supports()` on fake CUDA tensors, dispatch fallback, and the kernel itself run by
+Triton's interpreter in a subprocess (TRITON_INTERPRET must be set before Triton compiles
+anything, so it cannot share this process). GPU (`-m gpu`, an H200): random inputs at
+Beam's hidden 5120 and other sizes, NaN-filled outputs, within one bf16 ulp.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from beamfx import ops
+from beamfx.kernels.boundary import reference
+from beamfx.kernels.norm.reference import rms_norm
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+triton_kernels = pytest.importorskip("beamfx.kernels.boundary.triton")
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in units in the last place between same-dtype float tensors (as int64)."""
+    assert a.dtype == b.dtype
+    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+    low = {torch.int16: -(1 << 15), torch.int32: -(1 << 31)}[bits[a.dtype]]
+
+    def ordered(t):
+        i = t.contiguous().view(bits[t.dtype]).long()
+        return torch.where(i < 0, low - i, i)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+def make_inputs(tokens, hidden, topk, dtype, device, seed, scales=(0.3, 0.9), routed=2.5):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
+
+    residual = randn(tokens, hidden, scale=4.0)
+    x = randn(tokens, topk, hidden) if topk else randn(tokens, hidden)
+    topk_weights = torch.rand(tokens, topk, generator=g).to(device) if topk else None
+    w_post, w_next = randn(hidden, scale=0.5) + 1, randn(hidden, scale=0.5) + 1
+    xs, rs = scales
+    return (x, residual, w_post, w_next, 1e-6, 1e-5, xs, rs, None, topk_weights, routed)
+
+
+def check_against_reference(args, h, y) -> dict:
+    """16-bit outputs: h within 1 ulp of the reference, y within 1 ulp of the next norm of
+    this h (a 1-ulp h difference may move y by 2 ulps, so y is judged on its own step);
+    nearly all elements bitwise equal. fp32 outputs (no roundings): close in norm."""
+    x, residual, w_post, w_next, eps_post, eps_next = args[:6]
+    h_ref, y_ref = reference.fused_boundary(*args)
+    assert not h.isnan().any() and not y.isnan().any(), "an output element was not written"
+    if h.dtype == torch.float32:
+        torch.testing.assert_close(h, h_ref, rtol=1e-5, atol=1e-5 * h_ref.abs().max().item())
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5 * y_ref.abs().max().item())
+        return {}
+    h_ulps = ulps(h, h_ref)
+    y_step_ulps = ulps(y, rms_norm(h, w_next, eps_next))
+    assert h_ulps.max() <= 1, f"h off by {h_ulps.max()} ulps"
+    assert y_step_ulps.max() <= 1, f"y off by {y_step_ulps.max()} ulps from rms_norm(h)"
+    stats = {
+        "h_differ": (h_ulps != 0).sum().item(),
+        "y_differ": (y != y_ref).sum().item(),
+        "y_max_ulps": ulps(y, y_ref).max().item(),
+    }
+    # A row-sum order flip moves a rare element by one ulp; many would mean a lost rounding.
+    allowed = max(1, h.numel() // 100)
+    assert stats["h_differ"] <= allowed and stats["y_differ"] <= allowed, stats
+    return stats
+
+
+def run_into(args, **launch):
+    x, residual, w_post, w_next, eps_post, eps_next, xs, rs, _, topk_weights, routed = args
+    h = torch.full_like(residual, float("nan"))
+    y = torch.full_like(residual, float("nan"))
+    triton_kernels.boundary_into(
+        h, y, x, residual, w_post, w_next, eps_post, eps_next, xs, rs, topk_weights, routed,
+        **launch,
+    )  # fmt: skip
+    return h, y
+
+
+# --- CPU: supports() and dispatch -------------------------------------------------------
+
+
+def fake_args(tokens=4, hidden=5120, topk=0, dtype=torch.bfloat16, device="cuda"):
+    """Fake tensors (no data, no GPU needed): what supports() sees while compiling."""
+    with FakeTensorMode():
+        residual = torch.empty(tokens, hidden, dtype=dtype, device=device)
+        x = torch.empty(tokens, topk, hidden, dtype=dtype, device=device) if topk else residual
+        tw = torch.empty(tokens, topk, device=device) if topk else None
+        w = torch.empty(hidden, dtype=dtype, device=device)
+    return (x, residual, w, w, 1e-6, 1e-6, 0.5, 0.8, None, tw, 1.0)
+
+
+@pytest.mark.skipif(triton_kernels.triton is None, reason="triton not installed")
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        (dict(), None),
+        (dict(topk=8), None),
+        (dict(hidden=8192, dtype=torch.float16), None),
+        (dict(hidden=16384 + 16), "hidden 16400 > 16384"),
+        (dict(dtype=torch.float64), "residual dtype torch.float64"),
+        (dict(topk=17), "top-k 17 > 16"),
+        (dict(device="cpu"), "device cpu is not cuda"),
+    ],
+)
+def test_supports_names_the_limit(case, expected):
+    args = fake_args(**case)
+    reason = triton_kernels.supports_fused_boundary(*args)
+    if expected is None:
+        assert reason is None
+    else:
+        assert reason is not None and expected in reason
+    # The residual-only op reads the same limits.
+    x, r, wp, _, ep, _, xs, rs, g, tw, scale = args
+    assert triton_kernels.supports_fused_boundary_residual(x, r, wp, ep, xs, rs, g, tw, scale) == (
+        reason
+    )
+
+
+@pytest.mark.skipif(triton_kernels.triton is None, reason="triton not installed")
+def test_supports_rejects_mismatched_shapes():
+    x, r, wp, wn, *rest = fake_args()
+    with FakeTensorMode():
+        short = torch.empty(100, dtype=torch.bfloat16, device="cuda")
+        other = torch.empty(3, 5120, dtype=torch.bfloat16, device="cuda")
+        half = torch.empty(4, 5120, dtype=torch.float16, device="cuda")
+        rows = torch.empty(4, 2, 5120, dtype=torch.bfloat16, device="cuda")
+        tw = torch.empty(4, 8, device="cuda")
+    supports = triton_kernels.supports_fused_boundary
+    assert "w_next (100,)" in supports(x, r, wp, short, *rest)
+    assert "does not match residual" in supports(other, r, wp, wn, *rest)
+    assert "x dtype torch.float16" in supports(half, r, wp, wn, *rest)
+    assert "expert rows (4, 2, 5120)" in supports(rows, r, wp, wn, *rest[:5], tw, 1.0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only fallback")
+def test_cpu_dispatch_falls_back_to_reference():
+    assert triton_kernels.FUSED_BOUNDARY is None
+    args = make_inputs(3, 64, 0, torch.bfloat16, "cpu", seed=0)
+    h, y = ops.fused_boundary(*args)
+    assert ops.FUSED_BOUNDARY.last_provider == "reference"
+    h_ref, y_ref = reference.fused_boundary(*args)
+    assert torch.equal(h, h_ref) and torch.equal(y, y_ref)
+
+
+# --- CPU: the kernel under Triton's interpreter ------------------------------------------
+
+
+@pytest.mark.skipif(
+    INTERPRETED or triton_kernels.triton is None, reason="runs the interpreted tests below"
+)
+def test_kernel_under_triton_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", __file__, "-k", "interpreted"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1]
+
+
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1")
+
+
+@needs_interpreter
+@settings(max_examples=25, deadline=None)
+@given(
+    tokens=st.integers(1, 9),
+    hidden=st.sampled_from([16, 48, 64, 200, 512, 1024]),
+    topk=st.sampled_from([0, 0, 1, 4, 8]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    scales=st.tuples(st.floats(0.05, 1.0), st.floats(0.05, 1.0)),
+    programs=st.sampled_from([None, 1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_interpreted_kernel_matches_reference(tokens, hidden, topk, dtype, scales, programs, seed):
+    args = make_inputs(tokens, hidden, topk, dtype, "cpu", seed, scales=scales)
+    h, y = run_into(args, programs=programs)
+    check_against_reference(args, h, y)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("topk", [0, 8])
+def test_interpreted_residual_only_and_entry_points(topk):
+    args = make_inputs(5, 320, topk, torch.bfloat16, "cpu", seed=topk)
+    h, y = triton_kernels.fused_boundary(*args)
+    check_against_reference(args, h, y)
+    x, r, wp, _, ep, _, xs, rs, g, tw, scale = args
+    h_only = triton_kernels.fused_boundary_residual(x, r, wp, ep, xs, rs, g, tw, scale)
+    assert torch.equal(h_only, h)
+    assert torch.equal(
+        h_only, reference.fused_boundary_residual(x, r, wp, ep, xs, rs, g, tw, scale)
+    )
+
+
+@needs_interpreter
+def test_interpreted_keeps_every_rounding():
+    # Values chosen so that skipping the rounding after rms*w flips many results: the
+    # kernel must equal the contract bitwise, not an fp32 chain.
+    args = make_inputs(4, 1024, 0, torch.bfloat16, "cpu", seed=7, scales=(0.7071, 0.7071))
+    h, y = run_into(args)
+    h_ref, y_ref = reference.fused_boundary(*args)
+    x, r, wp, _, ep, _, xs, rs = args[:8]
+    xf = x.float()
+    t = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ep) * wp.float()
+    h_fp32_chain = (t * xs + r.float() * rs).to(torch.bfloat16)  # what Inductor computes
+    assert (h_fp32_chain != h_ref).any(), "the test inputs must separate the two"
+    assert torch.equal(h, h_ref)
+
+
+# --- GPU: an H200 --------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+@pytest.mark.parametrize("hidden", [1024, 2048, 4096, 5120, 8192, 16384])
+@pytest.mark.parametrize("tokens", [1, 7, 64, 333])
+@pytest.mark.parametrize("topk", [0, 8])
+def test_gpu_matches_reference(hidden, tokens, topk):
+    args = make_inputs(tokens, hidden, topk, torch.bfloat16, "cuda", seed=hidden + tokens)
+    h, y = run_into(args)
+    check_against_reference(args, h, y)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_other_dtypes(dtype):
+    args = make_inputs(65, 5120, 0, dtype, "cuda", seed=3)
+    h, y = run_into(args)
+    check_against_reference(args, h, y)
+
+
+@gpu
+@pytest.mark.parametrize("programs", [1, 7, None])
+def test_gpu_persistent_grid(programs):
+    # More rows than programs: each program walks several rows.
+    args = make_inputs(4099, 5120, 0, torch.bfloat16, "cuda", seed=11)
+    h, y = run_into(args, programs=programs)
+    check_against_reference(args, h, y)
+
+
+@gpu
+def test_gpu_op_dispatches_to_triton():
+    args = make_inputs(16, 5120, 8, torch.bfloat16, "cuda", seed=5)
+    h, y = ops.fused_boundary(*args)
+    assert ops.FUSED_BOUNDARY.last_provider == "triton"
+    check_against_reference(args, h, y)
+    x, r, wp, _, ep, _, xs, rs, g, tw, scale = args
+    h_only = ops.fused_boundary_residual(x, r, wp, ep, xs, rs, g, tw, scale)
+    assert ops.FUSED_BOUNDARY_RESIDUAL.last_provider == "triton"
+    assert torch.equal(h_only, h)

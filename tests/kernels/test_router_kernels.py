@@ -1,0 +1,340 @@
+"""The Triton router GEMM and routing against the references (kernels/router/reference.py).
+
+Logits: within 1e-5 of an fp64 reference, in norm (relative) and per element (relative to
+the dot's own scale sum |x||w|, the fp32 GEMM error bound's yardstick). Routing: the same
+experts as the reference for every token whose decision has a margin above float tolerance;
+at near-ties either choice passes if it is a valid top-k within that tolerance.
+
+CPU (CI): supports(), dispatch fallback, and the kernels under Triton's interpreter in a
+subprocess. GPU (`-m gpu`, an H200): Beam's 5120 x 256 and other shapes, NaN-filled outputs,
+repeatability (the split-K fixup must not race), the cuBLAS side of the crossover.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from beamfx import ops
+from beamfx.kernels.router import reference
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+rt = pytest.importorskip("beamfx.kernels.router.triton")
+no_triton = pytest.mark.skipif(rt.triton is None, reason="triton not installed")
+# Beam-1.0-shaped routing: 256 experts in 8 groups, best 4 groups, top-8.
+BEAM_ROUTING = dict(top_k=8, n_group=8, topk_group=4)
+
+
+def make_router(tokens, hidden, experts, weight_dtype, device, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).to(device)
+    w = (torch.randn(experts, hidden, generator=g) / hidden**0.5).to(weight_dtype).to(device)
+    bias = (torch.randn(experts, generator=g) * 0.05).to(device)
+    return x, w, bias
+
+
+def check_logits(logits: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rtol=1e-5) -> float:
+    assert logits.dtype == torch.float32 and not logits.isnan().any(), "unwritten logits"
+    ref = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T
+    err = (logits.double() - ref).abs()
+    rel = (err.norm() / ref.norm()).item()
+    assert rel <= rtol, f"norm-wise relative error {rel:.2e} > {rtol}"
+    worst = (err / scale).max().item()
+    assert worst <= rtol, f"element error {worst:.2e} of sum|x||w| > {rtol}"
+    return rel
+
+
+def check_routing(weights, ids, logits, bias, top_k, n_group, topk_group, renormalize, ref_ids,
+                  tol=1e-5) -> int:  # fmt: skip
+    """Tie-aware comparison; returns the number of near-tie tokens."""
+    assert not weights.isnan().any(), "unwritten routing weights"
+    ids = ids.long().cpu()
+    t, e = logits.shape
+    assert ((ids >= 0) & (ids < e)).all() and (ids.sort(1).values.diff(dim=1) > 0).all()
+    scores = torch.sigmoid(logits.double().cpu())
+    biased = scores + bias.double().cpu()
+    per_group = e // n_group
+    group_score = biased.view(t, n_group, per_group).topk(min(2, per_group), -1).values.sum(-1)
+    gs = group_score.sort(-1, descending=True).values
+    inf = torch.full((t,), float("inf"), dtype=torch.float64)
+    g_margin = gs[:, topk_group - 1] - gs[:, topk_group] if topk_group < n_group else inf
+    kept = torch.zeros_like(group_score, dtype=torch.bool)
+    kept.scatter_(1, group_score.topk(topk_group, -1).indices, True)
+    cand = biased.masked_fill(~kept.repeat_interleave(per_group, 1), float("-inf"))
+    cs = cand.sort(-1, descending=True).values
+    e_margin = cs[:, top_k - 1] - cs[:, top_k] if top_k < topk_group * per_group else inf
+    clear = (g_margin > tol) & (e_margin > tol)
+    same = (ids.sort(1).values == ref_ids.long().cpu().sort(1).values).all(1)
+    assert same[clear].all(), f"tokens {torch.nonzero(clear & ~same).flatten().tolist()} differ"
+    # Any token: a valid choice within tolerance. Its groups lie at or near the group cut,
+    # and its experts are the top-k of (clearly kept groups + its own groups) within tol.
+    cut = gs[:, topk_group - 1 : topk_group]
+    chosen = torch.zeros_like(kept).scatter_(1, ids // per_group, True)
+    assert (chosen.sum(1) <= topk_group).all(), "experts from too many groups"
+    assert (group_score[chosen] >= cut.expand_as(group_score)[chosen] - tol).all(), "bad group"
+    allowed = (chosen | (group_score > cut + tol)).repeat_interleave(per_group, 1)
+    allowed.scatter_(1, ids, False)
+    best_left = biased.masked_fill(~allowed, float("-inf")).max(1).values
+    assert (biased.gather(1, ids).min(1).values >= best_left - tol).all(), "not a top-k"
+    expected = scores.gather(1, ids)
+    if renormalize:
+        expected = expected / expected.sum(-1, keepdim=True)
+    torch.testing.assert_close(weights.double().cpu(), expected, rtol=1e-5, atol=1e-6)
+    return int((~clear).sum())
+
+
+# --- CPU: supports() and dispatch -------------------------------------------------------
+
+
+def fake_router(tokens=4, hidden=5120, experts=256, x_dtype=torch.bfloat16,
+                w_dtype=torch.float32, device="cuda"):  # fmt: skip
+    with FakeTensorMode():
+        x = torch.empty(tokens, hidden, dtype=x_dtype, device=device)
+        w = torch.empty(experts, hidden, dtype=w_dtype, device=device)
+        bias = torch.empty(experts, device=device)
+    return x, w, bias
+
+
+@no_triton
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        (dict(), None),
+        (dict(w_dtype=torch.bfloat16), None),
+        (dict(experts=384, tokens=100000), None),
+        (dict(device="cpu"), "device cpu is not cuda"),
+        (dict(x_dtype=torch.float16), "x dtype torch.float16 is not bf16"),
+        (dict(w_dtype=torch.float16), "weight dtype torch.float16"),
+    ],
+)
+def test_supports_names_the_limit(case, expected):
+    x, w, bias = fake_router(**case)
+    for reason in (
+        rt.supports_router_gemm(x, w),
+        rt.supports_routed_topk(x, w, bias, 8, 8, 4, True),
+    ):
+        assert reason == expected if expected is None else expected in reason
+
+
+@no_triton
+def test_supports_rejects_bad_routing_shapes():
+    x, w, bias = fake_router()
+    with FakeTensorMode():
+        w_short = torch.empty(256, 4096, device="cuda")
+        bias_short = torch.empty(255, device="cuda")
+    assert "is not [experts, 5120]" in rt.supports_router_gemm(x, w_short)
+    assert "do not split 256 experts" in rt.supports_routed_topk(x, w, bias, 8, 6, 4, True)
+    assert "top_k 40 > experts in 1 groups" in rt.supports_routed_topk(x, w, bias, 40, 8, 1, True)
+    assert "correction_bias (255,)" in rt.supports_routed_topk(x, w, bias_short, 8, 8, 4, True)
+
+
+@no_triton
+def test_routable_needs_power_of_two_tiles():
+    assert rt._routable(256, 8, 4, 8)
+    assert rt._routable(64, 1, 1, 6)
+    assert not rt._routable(384, 8, 4, 8)  # 48 experts a group: the reference routes
+    assert not rt._routable(256, 64, 4, 8)  # kept groups are a 32-bit mask
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only fallback")
+def test_cpu_dispatch_falls_back_to_reference():
+    assert rt.ROUTER_GEMM is None and rt.ROUTED_TOPK is None
+    x, w, bias = make_router(3, 64, 16, torch.float32, "cpu", seed=0)
+    assert torch.equal(ops.router_gemm(x, w), reference.router_logits(x, w))
+    assert ops.ROUTER_GEMM.last_provider == "reference"
+    got = ops.routed_topk(x, w, bias, 4, 4, 2, True)
+    want = reference.routed_topk(x, w, bias, 4, 4, 2, True)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
+# --- CPU: the kernels under Triton's interpreter -----------------------------------------
+
+
+@pytest.mark.skipif(INTERPRETED or rt.triton is None, reason="runs the interpreted tests below")
+def test_kernels_under_triton_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", __file__, "-k", "interpreted"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1]
+
+
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1")
+SMALL_CONFIGS = [
+    rt.GemmConfig(block_e=16, k_chunk=64, block_k=32, num_warps=4),
+    rt.GemmConfig(block_e=32, k_chunk=128, block_k=64, num_warps=4),
+    rt.GemmConfig(block_e=16, k_chunk=4096, block_k=64, num_warps=4),  # no split
+]
+
+
+@needs_interpreter
+@settings(max_examples=20, deadline=None)
+@given(
+    tokens=st.integers(1, 80),
+    hidden=st.sampled_from([64, 200, 512]),
+    experts=st.sampled_from([16, 32, 64, 48]),
+    weight_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    config=st.sampled_from(SMALL_CONFIGS),
+    seed=st.integers(0, 2**16),
+)
+def test_interpreted_gemm_matches_fp64(tokens, hidden, experts, weight_dtype, config, seed):
+    x, w, _ = make_router(tokens, hidden, experts, weight_dtype, "cpu", seed)
+    check_logits(rt.router_gemm(x, w, config=config), x, w)
+
+
+@needs_interpreter
+@settings(max_examples=20, deadline=None)
+@given(
+    tokens=st.integers(1, 70),
+    experts_routing=st.sampled_from(
+        [(64, 8, 4, 8), (64, 1, 1, 6), (32, 4, 2, 3), (16, 16, 4, 4), (32, 2, 2, 1)]
+    ),
+    renormalize=st.booleans(),
+    fused=st.booleans(),
+    config=st.sampled_from(SMALL_CONFIGS),
+    seed=st.integers(0, 2**16),
+)
+def test_interpreted_routing_matches_reference(
+    tokens, experts_routing, renormalize, fused, config, seed
+):
+    experts, n_group, topk_group, top_k = experts_routing
+    x, w, bias = make_router(tokens, 128, experts, torch.float32, "cpu", seed)
+    weights, ids = rt.routed_topk(
+        x, w, bias, top_k, n_group, topk_group, renormalize, fused=fused, config=config
+    )
+    _, ref_ids = reference.routed_topk(x, w, bias, top_k, n_group, topk_group, renormalize)
+    logits = x.double() @ w.double().T
+    check_routing(weights, ids, logits, bias, top_k, n_group, topk_group, renormalize, ref_ids)
+
+
+@needs_interpreter
+def test_interpreted_routing_with_exact_ties():
+    # Logits on a coarse grid: many exact ties in scores and group scores.
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randint(-4, 5, (40, 64), generator=g) * 0.5).float()
+    bias = torch.zeros(64)
+    weights = torch.full((40, 8), float("nan"))
+    ids = torch.full((40, 8), -1, dtype=torch.int32)
+    rt._launch_route(logits, bias, weights, ids, 8, 8, 4, True)
+    _, ref_ids = reference.grouped_topk(logits, bias, 8, 8, 4, True)
+    ties = check_routing(weights, ids, logits, bias, 8, 8, 4, True, ref_ids)
+    assert ties > 0
+
+
+@needs_interpreter
+def test_interpreted_entry_points_and_crossover(monkeypatch):
+    x, w, bias = make_router(6, 256, 64, torch.float32, "cpu", seed=1)
+    check_logits(rt.router_gemm(x, w), x, w)
+    # Above the crossover: cuBLAS logits (the reference) and the routing kernel after them.
+    monkeypatch.setattr(rt, "TRITON_MAX_TOKENS", 4)
+    assert torch.equal(rt.router_gemm(x, w), reference.router_logits(x, w))
+    weights, ids = rt.routed_topk(x, w, bias, 8, 8, 4, True)
+    _, ref_ids = reference.routed_topk(x, w, bias, 8, 8, 4, True)
+    check_routing(weights, ids, x.double() @ w.double().T, bias, 8, 8, 4, True, ref_ids)
+    # Experts that do not tile in powers of two: Triton logits, reference routing.
+    monkeypatch.setattr(rt, "TRITON_MAX_TOKENS", 1024)
+    x, w, bias = make_router(6, 256, 48, torch.float32, "cpu", seed=2)
+    weights, ids = rt.routed_topk(x, w, bias, 4, 4, 2, False)
+    _, ref_ids = reference.routed_topk(x, w, bias, 4, 4, 2, False)
+    check_routing(weights, ids, x.double() @ w.double().T, bias, 4, 4, 2, False, ref_ids)
+
+
+# --- GPU: an H200 --------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+BEAM_TOKENS = [1, 2, 3, 8, 16, 17, 33, 64, 100, 128, 1000, 1500]
+
+
+@gpu
+@pytest.mark.parametrize("tokens", BEAM_TOKENS)
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_gemm_beam_shape(tokens, weight_dtype):
+    x, w, _ = make_router(tokens, 5120, 256, weight_dtype, "cuda", seed=tokens)
+    check_logits(rt.router_gemm(x, w), x, w)
+    if tokens <= rt.TRITON_MAX_TOKENS:
+        logits = torch.full((tokens, 256), float("nan"), device="cuda")
+        rt._launch_gemm(x, w, logits, None)
+        check_logits(logits, x, w)
+
+
+@gpu
+@pytest.mark.parametrize("hidden, experts", [(2048, 64), (7168, 256), (4096, 384), (1000, 96)])
+@pytest.mark.parametrize("tokens", [1, 16, 64, 300])
+def test_gpu_gemm_other_shapes(hidden, experts, tokens):
+    x, w, _ = make_router(tokens, hidden, experts, torch.float32, "cuda", seed=hidden + tokens)
+    check_logits(rt.router_gemm(x, w), x, w)
+
+
+@gpu
+@pytest.mark.parametrize("tokens", [4, 64, 512])
+def test_gpu_gemm_is_repeatable(tokens):
+    # The last program of a tile sums the split partials in a fixed order: bitwise the same
+    # every run, unless the arrival counters let it read a partial before it was written.
+    x, w, _ = make_router(tokens, 5120, 256, torch.float32, "cuda", seed=9)
+    first = rt.router_gemm(x, w)
+    for _ in range(50):
+        assert torch.equal(rt.router_gemm(x, w), first)
+
+
+@gpu
+@pytest.mark.parametrize("tokens", [1, 7, 16, 64, 128, 1000, 2000])
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_gpu_routing_beam_shape(tokens, fused, renormalize):
+    x, w, bias = make_router(tokens, 5120, 256, torch.float32, "cuda", seed=tokens)
+    args = (BEAM_ROUTING["top_k"], BEAM_ROUTING["n_group"], BEAM_ROUTING["topk_group"])
+    weights, ids = rt.routed_topk(x, w, bias, *args, renormalize, fused=fused)
+    _, ref_ids = reference.routed_topk(x, w, bias, *args, renormalize)
+    check_routing(weights, ids, x.double() @ w.double().T, bias, *args, renormalize, ref_ids)
+
+
+@gpu
+def test_gpu_fused_routing_writes_every_output():
+    x, w, bias = make_router(37, 5120, 256, torch.float32, "cuda", seed=4)
+    logits = torch.full((37, 256), float("nan"), device="cuda")
+    weights = torch.full((37, 8), float("nan"), device="cuda")
+    ids = torch.full((37, 8), -1, dtype=torch.int32, device="cuda")
+    rt._launch_gemm(x, w, logits, (bias, weights, ids, 8, 8, 4, True))
+    check_logits(logits, x, w)
+    _, ref_ids = reference.routed_topk(x, w, bias, 8, 8, 4, True)
+    check_routing(weights, ids, x.double() @ w.double().T, bias, 8, 8, 4, True, ref_ids)
+
+
+@gpu
+@pytest.mark.parametrize("experts, routing", [(64, (6, 1, 1)), (384, (8, 8, 4)), (128, (4, 4, 2))])
+def test_gpu_routing_other_shapes(experts, routing):
+    x, w, bias = make_router(50, 2048, experts, torch.float32, "cuda", seed=experts)
+    weights, ids = rt.routed_topk(x, w, bias, *routing, True)
+    _, ref_ids = reference.routed_topk(x, w, bias, *routing, True)
+    check_routing(weights, ids, x.double() @ w.double().T, bias, *routing, True, ref_ids)
+
+
+@gpu
+def test_gpu_routing_with_exact_ties():
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randint(-4, 5, (300, 256), generator=g) * 0.5).float().cuda()
+    bias = torch.zeros(256, device="cuda")
+    weights = torch.full((300, 8), float("nan"), device="cuda")
+    ids = torch.full((300, 8), -1, dtype=torch.int32, device="cuda")
+    rt._launch_route(logits, bias, weights, ids, 8, 8, 4, True)
+    _, ref_ids = reference.grouped_topk(logits, bias, 8, 8, 4, True)
+    assert check_routing(weights, ids, logits, bias, 8, 8, 4, True, ref_ids) > 0
+
+
+@gpu
+def test_gpu_ops_dispatch_to_triton():
+    x, w, bias = make_router(16, 5120, 256, torch.float32, "cuda", seed=8)
+    check_logits(ops.router_gemm(x, w), x, w)
+    assert ops.ROUTER_GEMM.last_provider == "triton"
+    weights, ids = ops.routed_topk(x, w, bias, 8, 8, 4, True)
+    assert ops.ROUTED_TOPK.last_provider == "triton"
+    _, ref_ids = reference.routed_topk(x, w, bias, 8, 8, 4, True)
+    check_routing(weights, ids, x.double() @ w.double().T, bias, 8, 8, 4, True, ref_ids)
