@@ -17,12 +17,17 @@ import tempfile
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from beamfx.config import BeamConfig, BeamConfigError, load_config
 from beamfx.kernels.moe import reference as moe_ref
+
+if TYPE_CHECKING:
+    from beamfx.config import BeamConfig
+
+# Heavy modules (transformers through beamfx.config, torch._inductor) are imported where
+# used, so that `beamfx --help` and the spawned ranks start in about the time torch takes.
 
 # --- subcommand registry ------------------------------------------------------------------
 
@@ -63,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from beamfx.config import BeamConfigError
+
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command].run(args)
@@ -90,6 +97,7 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_weight_size(cfg: BeamConfig, world_size: int = 1) -> None:
+    from beamfx.config import BeamConfigError
     from beamfx.models.beam import BeamForCausalLM, Parallel
 
     with torch.device("meta"):
@@ -210,27 +218,30 @@ class _Captured(Exception):
     """Raised by the capture pass to end compilation once the graph is recorded."""
 
 
-class GraphCapture(CustomGraphPass):
-    """Inductor post-grad pass that records each graph it sees (and changes nothing).
+def graph_capture(stop: bool = False):
+    """An Inductor post-grad pass that records each graph it sees (and changes nothing).
 
     Passed as `post_grad_custom_post_pass`, so it sees the graph as the fusion passes will.
-    Inductor may run more passes after it, so it snapshots at once. `stop=True` ends the
-    compilation after the first graph (saves Inductor's codegen when only the graph is
-    wanted).
+    Inductor may run more passes after it, so it snapshots at once (`.graphs`, a list of
+    `CapturedGraph`). `stop=True` ends the compilation after the first graph, which
+    saves Inductor's codegen when only the graph is wanted.
     """
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    def __init__(self, stop: bool = False) -> None:
-        self.stop = stop
-        self.graphs: list[CapturedGraph] = []
+    class GraphCapture(CustomGraphPass):
+        def __init__(self) -> None:
+            self.graphs: list[CapturedGraph] = []
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        self.graphs.append(_snapshot(graph))
-        if self.stop:
-            raise _Captured
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            self.graphs.append(_snapshot(graph))
+            if stop:
+                raise _Captured
 
-    def uuid(self) -> None:
-        # None turns off Inductor's graph cache: a cache hit would skip this pass.
-        return None
+        def uuid(self) -> None:
+            # None turns off Inductor's graph cache: a cache hit would skip this pass.
+            return None
+
+    return GraphCapture()
 
 
 def _snapshot(graph: torch.fx.Graph) -> CapturedGraph:
@@ -292,7 +303,7 @@ def post_grad_graphs(
     """Compile `model` with Inductor and return its post-grad graphs (and, unless `stop`,
     the compiled output for `input_ids`). `stop=True` keeps only the first graph."""
     torch._dynamo.reset()
-    capture = GraphCapture(stop)
+    capture = graph_capture(stop)
     compiled = torch.compile(
         model, options={**(options or {}), "post_grad_custom_post_pass": capture}
     )
@@ -410,6 +421,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _run_demo(args: argparse.Namespace, out: str) -> int:
     from beamfx.checkpoint import load_checkpoint, write_tiny_checkpoint
+    from beamfx.config import load_config
     from beamfx.models.beam import reference_model
 
     cfg = load_config(args.config, args.layers)
@@ -464,6 +476,7 @@ def _write_tiny_arguments(parser: argparse.ArgumentParser) -> None:
 )
 def _write_tiny(args: argparse.Namespace) -> int:
     from beamfx.checkpoint import write_tiny_checkpoint
+    from beamfx.config import load_config
 
     cfg = load_config(args.config, args.layers)
     _check_weight_size(cfg)
@@ -501,6 +514,8 @@ def _graph_arguments(parser: argparse.ArgumentParser) -> None:
     _graph_arguments,
 )
 def _graph(args: argparse.Namespace) -> int:
+    from beamfx.config import load_config
+
     cfg = load_config(args.config, args.layers)
     cfg.check_world_size(args.tp)
     _check_weight_size(cfg, args.tp)
@@ -513,6 +528,7 @@ def _graph(args: argparse.Namespace) -> int:
 
 def _graph_on_rank(rank: int, args: argparse.Namespace) -> None:
     from beamfx.checkpoint import init_random
+    from beamfx.config import load_config
     from beamfx.models.beam import BeamForCausalLM, Parallel
 
     cfg = load_config(args.config, args.layers)
