@@ -92,10 +92,12 @@ def _install_providers() -> None:
             module, attr = spec.split(":")
             try:
                 provider = getattr(importlib.import_module(module), attr)
+            except ModuleNotFoundError as e:
+                if e.name != module:  # the module is there, but something it imports is not
+                    warnings.warn(f"beamfx provider {spec} unavailable: {e}", stacklevel=2)
+                continue
             except (ImportError, AttributeError) as e:
-                warnings.warn(
-                    f"beamfx provider {spec} for {op_name} unavailable: {e}", stacklevel=2
-                )
+                warnings.warn(f"beamfx provider {spec} unavailable: {e}", stacklevel=2)
                 continue
             if provider is not None:
                 REGISTRY[op_name].add_provider(provider)

@@ -21,7 +21,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import beamfx
 from beamfx import passes as registry
-from beamfx.pattern import Rejection
+from beamfx.pattern import FusionPass, Rejection
 
 
 @dataclass
@@ -31,6 +31,7 @@ class PassReport:
     nodes_before: int
     nodes_after: int
     seconds: float
+    rematches: int | None = None  # with verify: matches when run again (must be 0)
 
 
 @dataclass
@@ -52,16 +53,22 @@ class PassManager(CustomGraphPass):
 
     def __init__(
         self,
-        passes: Sequence[str] | str = (),
+        passes: Sequence[str | FusionPass] | str = (),
         *,
         canonicalize: bool = True,
         lower: bool = True,
         explain: bool = False,
+        verify: bool = False,
     ):
-        self.names = registry.resolve(passes)
+        # Names of beamfx passes, or FusionPass objects of one's own.
+        objects = [p for p in ([] if isinstance(passes, str) else passes) if not isinstance(p, str)]
+        self.custom = {p.name: p for p in objects}
+        names = passes if isinstance(passes, str) else [p for p in passes if isinstance(p, str)]
+        self.names = registry.resolve(names) + list(self.custom)
         self.canonicalize = canonicalize
         self.lower = lower
         self.explain = explain
+        self.verify = verify
         self.reports: list[GraphReport] = []
 
     @property
@@ -75,7 +82,7 @@ class PassManager(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         report = GraphReport(index=len(self.reports), ops_before=op_counts(graph))
         for name in self.stages:
-            p = registry.get_pass(name)
+            p = self._get(name)
             before = len(graph.nodes)
             start = time.perf_counter()
             matches = p.apply(graph)
@@ -84,6 +91,9 @@ class PassManager(CustomGraphPass):
             )
             if self.explain and name in self.names:
                 report.explain.extend(p.explain(graph))
+            if self.verify and name in self.names:
+                # Idempotence, and no unfused instance left: a second run finds nothing.
+                report.passes[-1].rematches = p.apply(graph)
         graph.lint()
         report.ops_after = op_counts(graph)
         self.reports.append(report)
@@ -94,8 +104,11 @@ class PassManager(CustomGraphPass):
         h.update(json.dumps(self.options()).encode())
         for name in self.stages:
             h.update(name.encode())
-            h.update(registry.get_pass(name).source_hash().encode())
+            h.update(self._get(name).source_hash().encode())
         return h.hexdigest()
+
+    def _get(self, name: str):
+        return self.custom.get(name) or registry.get_pass(name)
 
     def options(self) -> dict[str, Any]:
         return {"passes": self.names, "canonicalize": self.canonicalize, "lower": self.lower}

@@ -45,3 +45,19 @@ def tiny_prompt(tiny_checkpoint):
     ids, margin = stable_prompt(load_checkpoint(tiny_checkpoint), 2, 16, seed=0)
     assert margin >= 0.02, f"no prompt with a clear routing margin (best {margin})"
     return ids
+
+
+@pytest.fixture(scope="session")
+def gloo_world() -> str:
+    """A one-rank gloo process group: the all-reduce variants trace as at any world size."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1)  # fmt: skip
+    return dist.group.WORLD.group_name

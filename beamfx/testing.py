@@ -1,0 +1,234 @@
+"""Property-based testing of fusion passes: hypothesis strategies and `assert_fusion`.
+
+Public API for anyone testing a pass, beamfx's or their own:
+
+    from hypothesis import given
+    from beamfx.testing import assert_fusion, strategies as bst
+
+    @given(t=bst.token_counts(), eps=bst.epsilons())
+    def test_my_pass(t, eps):
+        x = bst.randn(t, 64)
+        assert_fusion(lambda x: my_math(x, eps), (x,), "my_pass", matches=1)
+
+`assert_fusion` compiles with and without the pass through `torch.compile` and checks
+the exact match count, the numerics against eager (bitwise by default), that running the
+pass again finds nothing (no unfused instance left, idempotence), and that the pass
+manager's uuid is stable and changes with the pass list.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from beamfx.pipeline import PassManager
+from beamfx.pipeline import op_counts as op_counts  # re-exported for tests
+
+__all__ = ["assert_fusion", "FusionResult", "strategies", "compile_with", "op_counts"]
+
+
+@dataclass
+class FusionResult:
+    output: Any
+    expected: Any
+    manager: PassManager
+
+    def matches(self, name: str) -> int:
+        return sum(r.matches(name) for r in self.manager.reports)
+
+
+def compile_with(fn: Callable, passes: Sequence[str] | str, **manager_options: Any):
+    """`fn` compiled by Inductor with a fresh beamfx pipeline (caches off: every compile
+    runs the passes, so reports are complete). Returns (compiled, manager)."""
+    manager = PassManager(passes, **manager_options)
+    options = {
+        "post_grad_custom_post_pass": manager,
+        "emulate_precision_casts": True,
+        "fx_graph_cache": False,
+    }
+    return torch.compile(fn, options=options, dynamic=False), manager
+
+
+def assert_fusion(
+    fn: Callable,
+    args: Sequence[Any],
+    passes: Sequence[str] | str,
+    *,
+    matches: dict[str, int] | int,
+    tolerance: str | tuple[float, float] = "bitwise",
+    reference: Callable | None = None,
+) -> FusionResult:
+    """Compile `fn(*args)` with `passes` and check the fusion (see the module docstring).
+
+    `matches`: exact count per pass name (an int means: the single pass named). The
+    reference is eager `fn` unless `reference` is given. `tolerance` is "bitwise" or
+    (atol, rtol) for `torch.testing.assert_close`.
+    """
+    torch.compiler.reset()
+    expected = (fn if reference is None else reference)(*args)
+    compiled, manager = compile_with(fn, passes, verify=True, explain=True)
+    output = compiled(*args)
+
+    names = manager.names
+    want = {names[0]: matches} if isinstance(matches, int) else dict(matches)
+    got = {n: sum(r.matches(n) for r in manager.reports) for n in want}
+    why = "\n" + manager.format_text()
+    assert got == want, f"match counts {got} != expected {want}{why}"
+
+    for r in manager.reports:
+        for p in r.passes:
+            assert not p.rematches, f"pass {p.name} matched again after running{why}"
+
+    _assert_close(output, expected, tolerance)
+
+    assert PassManager(passes).uuid() == manager.uuid(), "uuid is not stable"
+    others = [n for n in ("boundary", "router_gemm", "attn_gate") if n not in names]
+    if others:
+        changed = PassManager([*names, others[0]]).uuid()
+        assert changed != manager.uuid(), "uuid did not change with the pass list"
+    return FusionResult(output, expected, manager)
+
+
+def _assert_close(output: Any, expected: Any, tolerance) -> None:
+    outs = output if isinstance(output, (tuple, list)) else (output,)
+    exps = expected if isinstance(expected, (tuple, list)) else (expected,)
+    assert len(outs) == len(exps), f"{len(outs)} outputs, expected {len(exps)}"
+    for i, (o, e) in enumerate(zip(outs, exps)):
+        if tolerance == "bitwise":
+            diff = (o.double() - e.double()).abs().max().item() if o.numel() else 0.0
+            same = o.dtype == e.dtype and o.shape == e.shape and torch.equal(_bits(o), _bits(e))
+            assert same, f"output {i} is not bitwise equal to the reference (max diff {diff})"
+        else:
+            atol, rtol = tolerance
+            torch.testing.assert_close(
+                o, e, atol=atol, rtol=rtol, msg=lambda m, i=i: f"output {i}: {m}"
+            )
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits (NaNs compare equal, -0.0 differs from 0.0)."""
+    if not t.is_floating_point():
+        return t
+    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+# --- hypothesis strategies ---------------------------------------------------------------
+
+
+class strategies:  # noqa: N801 (a namespace: `bst.token_counts()`)
+    """Hypothesis strategies for fusion tests (import hypothesis lazily)."""
+
+    @staticmethod
+    def token_counts(max_tokens: int = 48):
+        from hypothesis import strategies as st
+
+        return st.integers(1, max_tokens)
+
+    @staticmethod
+    def activation_dtypes():
+        from hypothesis import strategies as st
+
+        return st.sampled_from([torch.bfloat16, torch.float16])
+
+    @staticmethod
+    def epsilons():
+        from hypothesis import strategies as st
+
+        return st.sampled_from([1e-6, 1e-5]) | st.floats(1e-8, 1e-3)
+
+    @staticmethod
+    def residual_scales():
+        """(x_scale, residual_scale) of the depth-scaled add number n."""
+        from hypothesis import strategies as st
+
+        return st.integers(2, 400).map(
+            lambda n: (1 / math.sqrt(n), math.sqrt(n - 1) / math.sqrt(n))
+        )
+
+    @staticmethod
+    def routed_scales():
+        from hypothesis import strategies as st
+
+        return st.sampled_from([1.0, 2.5]) | st.floats(0.25, 8.0)
+
+    @staticmethod
+    def hidden_sizes():
+        from hypothesis import strategies as st
+
+        return st.sampled_from([32, 64, 96, 128, 256])
+
+    @staticmethod
+    def tp_sizes():
+        from hypothesis import strategies as st
+
+        return st.sampled_from([1, 2])
+
+    @staticmethod
+    def routing(max_experts: int = 16):
+        """(num_experts, top_k, n_group, topk_group) that the Beam config accepts."""
+        from hypothesis import strategies as st
+
+        @st.composite
+        def build(draw):
+            n_group = draw(st.sampled_from([1, 2, 4]))
+            per_group = draw(st.integers(2, max(2, max_experts // n_group)))
+            topk_group = draw(st.integers(1, n_group))
+            top_k = draw(st.integers(1, min(8, topk_group * per_group)))
+            return n_group * per_group, top_k, n_group, topk_group
+
+        return build()
+
+    @staticmethod
+    def beam_configs(max_layers: int = 3):
+        """Small, valid Beam configs over layer types, MLP types, heads and routing."""
+        from hypothesis import strategies as st
+
+        from beamfx.config import preset
+
+        @st.composite
+        def build(draw):
+            n = draw(st.integers(1, max_layers))
+            kv = draw(st.sampled_from([1, 2]))
+            heads = kv * draw(st.sampled_from([1, 2]))
+            experts, top_k, n_group, topk_group = draw(strategies.routing())
+            return preset(
+                "tiny",
+                num_hidden_layers=n,
+                hidden_size=64,
+                intermediate_size=64,
+                num_attention_heads=heads,
+                num_key_value_heads=kv,
+                head_dim=16,
+                layer_types=draw(
+                    st.lists(
+                        st.sampled_from(["sliding_attention", "full_attention"]),
+                        min_size=n,
+                        max_size=n,
+                    )
+                ),
+                mlp_layer_types=draw(
+                    st.lists(st.sampled_from(["dense", "sparse"]), min_size=n, max_size=n)
+                ),
+                num_experts=experts,
+                num_experts_per_tok=top_k,
+                n_group=n_group,
+                topk_group=topk_group,
+                moe_intermediate_size=32,
+                sliding_window=draw(st.integers(1, 8)),
+                routed_scaling_factor=draw(st.sampled_from([1.0, 2.5])),
+                norm_topk_prob=draw(st.booleans()),
+                final_logit_softcapping=draw(st.sampled_from([None, 30.0])),
+                vocab_size=64,
+            )
+
+        return build()
+
+    @staticmethod
+    def randn(*shape: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0, scale: float = 1.0):
+        """Random (never zero) test data, deterministic per seed."""
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randn(shape, generator=g) * scale).to(dtype)
