@@ -217,6 +217,13 @@ class BeamConfig(PretrainedConfig):
         rope = self.rope_parameters
         return float(rope.get("sliding_attention", rope)["rope_theta"])
 
+    @rope_theta.setter
+    def rope_theta(self, value: float) -> None:
+        # Config tooling (vLLM's RoPE patching) writes back the theta it read; rope_parameters
+        # stays the one place that sets it.
+        if float(value) != self.rope_theta:
+            _fail("rope_theta", value, f"set it in rope_parameters (now {self.rope_theta})")
+
     def residual_scales(self, layer_index: int, sublayer: str) -> tuple[float, float]:
         """(x_scale, residual_scale) of a boundary: add number n = 2L (+1 for the MLP)."""
         n = 2 * (layer_index + 1) + (1 if sublayer == "mlp" else 0)
