@@ -1,0 +1,267 @@
+"""The MoE expert kernels (Triton, torch._grouped_mm, FlashInfer wiring) against the references.
+
+Tolerances (norm-wise relative error against `kernels/moe/reference.py`, outputs in bf16):
+- bf16 weights: <= 4e-3. Same math; fp32 sums in another order, so a bf16 rounding can flip.
+- NVFP4 weights: <= 1.2e-2. The reference rounds each dequantized weight to bf16
+  (`e2m1 * scale * global`); the kernels multiply exact bf16 `e2m1 * scale` and apply the
+  fp32 global scale after the dot. Against an fp64 model of the same weights the kernels
+  must be no less accurate than the reference (within 10%).
+Every output element must be written: outputs land in NaN-poisoned memory.
+
+CPU (CI): the kernels under Triton's interpreter in a subprocess (both row-finding paths,
+both weight formats, rows and combined outputs), grouped_mm's fallback on CPU, supports()
+and FlashInfer's gating and layout. GPU (`-m gpu`, an H200): random shapes up to Beam's.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from beamfx.kernels.moe import flashinfer as fi
+from beamfx.kernels.moe import grouped, nvfp4
+from beamfx.kernels.moe import reference as ref
+
+tk = pytest.importorskip("beamfx.kernels.moe.triton")
+no_triton = pytest.mark.skipif(tk.triton is None, reason="triton not installed")
+TOL_BF16, TOL_NVFP4 = 4e-3, 1.2e-2
+
+
+def make_moe(tokens, hidden, inter, experts, top_k, device, seed):
+    """Random inputs and ModelOpt-quantized experts; the bf16 weights are their dequantization."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g, device=device).to(torch.bfloat16)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g, device=device) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, generator=g, device=device) / inter**0.5
+    scores = torch.rand(tokens, experts, generator=g, device=device)
+    ids = scores.topk(top_k, dim=-1).indices.to(torch.int32)
+    weights = torch.rand(tokens, top_k, generator=g, device=device)
+    q = nvfp4.quantize_experts(w13, w2)
+    del w13, w2
+    w13b, w2b = q.dequantize(torch.bfloat16)
+    return x, ids, weights, q, w13b, w2b
+
+
+def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
+    assert not out.isnan().any(), "output element left unwritten (NaN poison survived)"
+    return ((out.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def poison(device) -> None:
+    """Fill free cached memory with NaN so that an unwritten output element shows."""
+    if device == "cuda":
+        free = torch.cuda.mem_get_info()[0]
+        block = torch.empty(min(free // 4, 1 << 30) // 4, device=device).fill_(float("nan"))
+        del block
+
+
+def check_case(tokens, hidden, inter, experts, top_k, fp4, combine, device, seed, config=None):
+    x, ids, wt, q, w13b, w2b = make_moe(tokens, hidden, inter, experts, top_k, device, seed)
+    scales = (q.w13_scale, q.w13_global, q.w2_scale, q.w2_global) if fp4 else None
+    w13, w2 = (q.w13, q.w2) if fp4 else (w13b, w2b)
+    poison(device)
+    if combine:
+        out = tk.moe(x, ids, w13, w2, scales, wt, 1.5, config=config)
+        want = ref.mega_moe(x, wt, ids, w13b, w2b, 1.5)  # = the NVFP4 reference's math
+    else:
+        out = tk.moe(x, ids, w13, w2, scales, config=config)
+        want = ref.moe_experts(x, w13b, w2b, ids)
+    err = rel_err(out, want)
+    assert err <= (TOL_NVFP4 if fp4 else TOL_BF16), f"relative error {err:.2e}"
+    if fp4 and combine:  # no less accurate than the reference against fp64 weights
+        w13d, w2d = q.dequantize(torch.float64)
+        exact = ref.mega_moe(x.double(), wt.double(), ids, w13d, w2d, 1.5)
+        assert rel_err(out, exact) <= 1.1 * rel_err(want, exact) + 1e-4
+    return err
+
+
+# --- CPU: the kernels under Triton's interpreter ------------------------------------------
+
+_INTERPRETER_CASES = [
+    # tokens, hidden, inter, experts, top_k, fp4, combine, scan
+    (1, 64, 32, 4, 2, True, True, True),
+    (7, 64, 64, 8, 3, True, True, True),
+    (5, 128, 32, 6, 2, False, True, True),
+    (9, 64, 32, 8, 2, True, False, True),
+    (40, 64, 32, 4, 4, True, True, False),
+    (33, 128, 64, 16, 2, False, False, False),
+    (20, 64, 32, 8, 8, True, True, False),
+]
+
+
+def _interpreter_main() -> None:
+    for i, (t, h, inter, e, k, fp4, combine, scan) in enumerate(_INTERPRETER_CASES):
+        base = tk.pick_config(1 if scan else 10**6, h, inter, fp4)
+        cfg = tk.Config(scan, 16, base.bn1, base.bk1, base.bn2, base.bk2)
+        err = check_case(t, h, inter, e, k, fp4, combine, "cpu", seed=i, config=cfg)
+        print(f"case {i}: relative error {err:.2e}")
+
+
+@no_triton
+def test_kernels_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = "import tests.kernels.test_moe_kernels as t; t._interpreter_main()"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    assert run.stdout.count("relative error") == len(_INTERPRETER_CASES)
+
+
+def test_sort_blocks_covers_every_pair_once():
+    g = torch.Generator().manual_seed(0)
+    for experts, bm, pairs in [(4, 4, 10), (16, 8, 3), (8, 16, 100), (256, 64, 4096)]:
+        ids = torch.randint(0, experts, (pairs,), generator=g, dtype=torch.int32)
+        order, blocks = tk.sort_blocks(ids, experts, bm)
+        seen = []
+        for e, start, end in blocks.tolist():
+            if e < 0:
+                continue
+            rows = order[start : min(end, start + bm)]
+            assert (ids[rows.long()] == e).all()
+            seen += rows.tolist()
+        assert sorted(seen) == list(range(pairs))
+
+
+# --- CPU: grouped_mm path, provider gating ------------------------------------------------
+
+
+@given(
+    tokens=st.integers(1, 12),
+    experts=st.integers(1, 8),
+    top_k=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=10)
+def test_grouped_mm_matches_reference(tokens, experts, top_k, seed):
+    top_k = min(top_k, experts)
+    x, ids, wt, _, w13, w2 = make_moe(tokens, 64, 32, experts, top_k, "cpu", seed)
+    got = grouped.mega_moe(x, wt, ids, w13, w2, 2.0)
+    assert rel_err(got, ref.mega_moe(x, wt, ids, w13, w2, 2.0)) <= TOL_BF16
+
+
+def test_supports_reasons_on_fake_and_cpu_tensors():
+    with FakeTensorMode():
+        x = torch.empty(4, 256, dtype=torch.bfloat16)
+        ids = torch.empty(4, 2, dtype=torch.int32)
+        w13 = torch.empty(8, 128, 128, dtype=torch.uint8)
+        w2 = torch.empty(8, 256, 32, dtype=torch.uint8)
+        s = torch.empty(1)
+        reason = tk.supports_mega_moe_nvfp4(x, torch.empty(4, 2), ids, w13, s, s, w2, s, s, 1.0)
+        assert reason is not None and "CUDA" in reason
+        assert "CUDA" in grouped.MEGA_MOE.supports(x, None, ids, w13, w2, 1.0)
+        assert fi.MEGA_MOE_NVFP4.supports(x, None, ids, w13) is not None
+    x = torch.zeros(2, 64, dtype=torch.float32)
+    assert (
+        tk.supports_moe_experts(x, torch.zeros(2, 64, 64), torch.zeros(2, 64, 32), ids) is not None
+    )
+
+
+def test_flashinfer_gating_needs_sm100_and_the_library(monkeypatch):
+    """It cannot run here (no Blackwell GPU is lent): test the gate, not the kernel."""
+    assert "CUDA" in fi.why_not_device(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    assert "Blackwell" in fi.why_not_device(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (10, 0))
+    monkeypatch.setattr(fi, "_flashinfer_moe", lambda: (None, "FlashInfer ... does not import"))
+    assert "import" in fi.why_not_device(torch.device("cuda", 0))
+    monkeypatch.setattr(fi, "_flashinfer_moe", lambda: (object(), None))
+    assert fi.why_not_device(torch.device("cuda", 0)) is None
+
+
+def test_flashinfer_layout_conversion():
+    g = torch.Generator().manual_seed(0)
+    e, inter, k16 = 2, 128, 20
+    w13 = torch.arange(e * 2 * inter, dtype=torch.int32).reshape(e, 2 * inter, 1)
+    mixed = fi.interleave_up_gate(w13)
+    # rows 0:64 are up 0:64, rows 64:128 gate 0:64, rows 128:192 up 64:128, ...
+    assert torch.equal(mixed[:, :64], w13[:, inter : inter + 64])
+    assert torch.equal(mixed[:, 64:128], w13[:, :64])
+    assert torch.equal(mixed[:, 128:192], w13[:, inter + 64 : inter + 128])
+    scale = torch.randint(0, 120, (e, 200, k16), generator=g, dtype=torch.uint8)
+    scale = scale.view(torch.float8_e4m3fn)
+    sw = fi.swizzle_block_scales(scale)
+    assert sw.shape == (e, 256 * 20)
+    back = fi.unswizzle_block_scales(sw, 200, k16)
+    assert torch.equal(back.view(torch.uint8), scale.view(torch.uint8))
+    # row m, column c at (m // 128, c // 4, m % 32, (m % 128) // 32, c % 4)
+    m, c = 165, 9
+    flat = (((m // 128) * 5 + c // 4) * 32 + m % 32) * 16 + ((m % 128) // 32) * 4 + c % 4
+    assert sw.view(torch.uint8)[1, flat] == scale.view(torch.uint8)[1, m, c]
+
+
+def test_flashinfer_refuses_differing_gate_up_globals():
+    q = nvfp4.quantize_experts(torch.randn(2, 128, 64), torch.randn(2, 64, 64))
+    with pytest.raises(ValueError, match="global scale"):
+        fi.to_flashinfer_layout(*q.tensors())
+
+
+# --- GPU: an H200 -------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("fp4", [True, False])
+@pytest.mark.parametrize(
+    "tokens, hidden, inter, experts, top_k",
+    [
+        (1, 5120, 192, 256, 8),  # Beam-1.0-shaped, TP8 decode
+        (8, 5120, 1536, 32, 8),  # Beam-1.0 dims (fewer experts), TP1
+        (64, 1024, 192, 64, 8),
+        (300, 512, 256, 32, 4),  # sorted blocks (> 1024 pairs)
+        (1000, 256, 64, 8, 2),  # sorted blocks, hot experts
+    ],
+)
+def test_kernels_match_reference_gpu(tokens, hidden, inter, experts, top_k, fp4):
+    for combine in (True, False):
+        check_case(tokens, hidden, inter, experts, top_k, fp4, combine, "cuda", seed=tokens)
+
+
+@gpu
+@needs_cuda
+@given(
+    tokens=st.integers(1, 600),
+    hidden=st.sampled_from([256, 512, 1024]),
+    inter=st.sampled_from([64, 96, 192, 256]),
+    experts=st.integers(2, 64),
+    top_k=st.integers(1, 8),
+    fp4=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=6)
+def test_kernels_random_shapes_gpu(tokens, hidden, inter, experts, top_k, fp4, seed):
+    top_k = min(top_k, experts)
+    check_case(tokens, hidden, inter, experts, top_k, fp4, True, "cuda", seed)
+
+
+@gpu
+@needs_cuda
+def test_combine_is_repeatable_gpu():
+    """Atomic combine: results may differ in fp32 rounding only (no race, no lost rows)."""
+    x, ids, wt, q, *_ = make_moe(64, 1024, 192, 32, 8, "cuda", 3)
+    scales = (q.w13_scale, q.w13_global, q.w2_scale, q.w2_global)
+    outs = [tk.moe(x, ids, q.w13, q.w2, scales, wt, 1.0).float() for _ in range(5)]
+    for o in outs[1:]:
+        assert (o - outs[0]).abs().max() <= 2 * outs[0].abs().max() * 2**-8
+
+
+@gpu
+@needs_cuda
+def test_grouped_mm_gpu():
+    x, ids, wt, _, w13, w2 = make_moe(64, 1024, 192, 32, 8, "cuda", 4)
+    assert grouped.MEGA_MOE.supports(x, wt, ids, w13, w2, 1.0) is None
+    err = rel_err(
+        grouped.mega_moe(x, wt, ids, w13, w2, 1.0), ref.mega_moe(x, wt, ids, w13, w2, 1.0)
+    )
+    assert err <= TOL_BF16

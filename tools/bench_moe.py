@@ -1,0 +1,282 @@
+"""Benchmark the MoE experts + combine, Beam-1.0-shaped, side by side in one run.
+
+Shapes: hidden 5120, 256 experts, top-8; moe_intermediate 1536 (TP=1) and 192 (one rank
+of TP=8); tokens 1, 8, 64, 512, 4096. Variants: the NVFP4 Triton kernel (W4A16), the bf16
+Triton kernel, torch._grouped_mm bf16, the reference (small token counts only: it loops
+over experts on the host), beside the floors: NVFP4 weight bytes (distinct experts touched
+x 3 x hidden x moe_intermediate x 0.5625 B) over the measured copy bandwidth, and at
+large token counts FLOPs over the measured bf16 matmul rate. Times are CUDA-graph replay
+medians over a rotation of inputs (different experts each call, so small calls are not
+served from L2). Checks every variant against the reference first.
+
+    python tools/bench_moe.py [--out DIR] [--quick] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import platform
+from dataclasses import replace
+
+import torch
+import triton
+from triton.testing import do_bench_cudagraph
+
+from beamfx.kernels.moe import grouped, nvfp4
+from beamfx.kernels.moe import reference as ref
+from beamfx.kernels.moe import triton as tk
+
+HIDDEN, EXPERTS, TOP_K = 5120, 256, 8
+SHAPES = {"TP1": 1536, "TP8": 192}
+TOKENS = (1, 8, 64, 512, 4096)
+
+
+def copy_bandwidth() -> float:
+    """Device copy bandwidth in bytes/s, read + write counted: the better of two methods."""
+    a = torch.empty(1 << 30, dtype=torch.float32, device="cuda")  # 4 GiB
+    b = torch.empty_like(a)
+    graph_ms = do_bench_cudagraph(lambda: b.copy_(a), rep=100)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        b.copy_(a)
+    end.record()
+    end.synchronize()
+    event_ms = start.elapsed_time(end) / 10
+    return 2 * a.numel() * 4 / (min(graph_ms, event_ms) * 1e-3)
+
+
+def matmul_rate() -> float:
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench_cudagraph(lambda: a @ b, rep=200)
+    return 2 * n**3 / (ms * 1e-3)
+
+
+def random_experts(inter: int, gen: torch.Generator) -> nvfp4.NVFP4Experts:
+    """Random NVFP4 experts straight in the packed layout (codes, scales, globals)."""
+    dev = "cuda"
+    e, h = EXPERTS, HIDDEN
+
+    def packed(n, k):
+        return torch.randint(0, 256, (e, n, k // 2), generator=gen, device=dev, dtype=torch.uint8)
+
+    def scales(n, k):
+        s = torch.rand(e, n, k // 16, generator=gen, device=dev) * 1.5 + 0.5
+        return s.to(torch.float8_e4m3fn)
+
+    # Random codes have RMS ~2.9 and scales mean ~1.25: globals give weights ~1/sqrt(K).
+    g13 = torch.full((e, 2), 1.0 / (3.6 * h**0.5), device=dev)
+    g2 = torch.full((e,), 1.0 / (3.6 * inter**0.5), device=dev)
+    return nvfp4.NVFP4Experts(
+        packed(2 * inter, h), scales(2 * inter, h), g13, packed(h, inter), scales(h, inter), g2
+    )
+
+
+def dense_bf16(q: nvfp4.NVFP4Experts):
+    """The bf16 weights = the reference's dequantization, a few experts at a time."""
+    w13, w2 = [], []
+    for s in range(0, EXPERTS, 16):
+        part = [t[s : s + 16] for t in q.tensors()]
+        a, b = nvfp4.dequantize_experts(*part, dtype=torch.bfloat16)
+        w13.append(a)
+        w2.append(b)
+    return torch.cat(w13), torch.cat(w2)
+
+
+def routing_sets(tokens: int, n_sets: int, gen: torch.Generator):
+    """Inputs (x, ids, weights), each set touching other experts where it can."""
+    sets = []
+    for i in range(n_sets):
+        x = torch.randn(tokens, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
+        if tokens == 1:  # disjoint expert groups: consecutive calls share no weights
+            perm = torch.randperm(EXPERTS, generator=gen, device="cuda")
+            ids = perm[(i % (EXPERTS // TOP_K)) * TOP_K :][:TOP_K].view(1, TOP_K)
+        else:
+            scores = torch.rand(tokens, EXPERTS, generator=gen, device="cuda")
+            ids = scores.topk(TOP_K, dim=-1).indices
+        w = torch.rand(tokens, TOP_K, generator=gen, device="cuda")
+        sets.append((x, ids.to(torch.int32), w / w.sum(-1, keepdim=True)))
+    return sets
+
+
+def time_over(fn, sets, graph=True) -> float:
+    """Median microseconds per call, over a rotation of input sets."""
+
+    def run_all():
+        for s in sets:
+            fn(*s)
+
+    if graph:
+        ms = do_bench_cudagraph(run_all, rep=40)
+    else:
+        ms = triton.testing.do_bench(run_all, rep=40, return_mode="median")
+    return ms * 1e3 / len(sets)
+
+
+def rel_err(out, want) -> float:
+    if out.isnan().any():
+        return float("nan")
+    return ((out.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def sweep_configs(pairs: int, inter: int, fp4: bool) -> list[tk.Config]:
+    base = tk.pick_config(pairs, HIDDEN, inter, fp4)
+    if base.scan:
+        cands = [base, replace(base, bn1=16), replace(base, bn1=64), replace(base, bn2=128)]
+        cands += [replace(base, warps1=8, warps2=8), replace(base, stages1=4, stages2=4)]
+        cands += [replace(base, bk1=128, bk2=min(128, base.bk2))]
+    else:
+        cands = [
+            base,
+            replace(base, bm=128, warps1=8, warps2=8),
+            replace(base, bm=128, bn1=128 if inter % 128 == 0 else 64, warps1=8, warps2=8),
+            replace(base, bk1=128, stages1=4),
+            replace(base, warps1=8),
+        ]
+    out = []
+    for c in cands:
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def variants(q: nvfp4.NVFP4Experts, w13b: torch.Tensor, w2b: torch.Tensor) -> dict:
+    """The implementations compared, each `fn(x, ids, weights)` -> [T, H] bf16."""
+    scales = (q.w13_scale, q.w13_global, q.w2_scale, q.w2_global)
+    return {
+        "nvfp4_triton": lambda x, i, w: tk.moe(x, i, q.w13, q.w2, scales, w, 2.5),
+        "bf16_triton": lambda x, i, w: tk.moe(x, i, w13b, w2b, None, w, 2.5),
+        "grouped_mm_bf16": lambda x, i, w: grouped.mega_moe(x, w, i, w13b, w2b, 2.5),
+        "reference": lambda x, i, w: ref.mega_moe_nvfp4(x, w, i, *q.tensors(), 2.5),
+        # tile sweeps
+        "nvfp4_config": lambda x, i, w, c: tk.moe(x, i, q.w13, q.w2, scales, w, 2.5, config=c),
+        "bf16_config": lambda x, i, w, c: tk.moe(x, i, w13b, w2b, None, w, 2.5, config=c),
+    }
+
+
+def bench_shape(shape, inter, token_counts, gen, bw, mm, sweep, sweeps) -> list[dict]:
+    q = random_experts(inter, gen)
+    w13b, w2b = dense_bf16(q)
+    fns = variants(q, w13b, w2b)
+    rows = []
+    for tokens in token_counts:
+        n_sets = 32 if tokens == 1 else 8 if tokens <= 64 else 2
+        sets = routing_sets(tokens, n_sets, gen)
+        distinct = sum(len(torch.unique(s[1])) for s in sets) / len(sets)
+        row = dict(
+            shape=shape, inter=inter, tokens=tokens, experts_touched=distinct,
+            floor_nvfp4_us=distinct * 3 * HIDDEN * inter * 0.5625 / bw * 1e6,
+            floor_bf16_us=distinct * 3 * HIDDEN * inter * 2 / bw * 1e6,
+            floor_flops_us=2 * tokens * TOP_K * 3 * HIDDEN * inter / mm * 1e6,
+        )  # fmt: skip
+        x0, i0, w0 = sets[0]
+        want = ref.mega_moe(x0, w0, i0, w13b, w2b, 2.5)  # = the NVFP4 reference's math
+        for name in ("nvfp4_triton", "bf16_triton", "grouped_mm_bf16"):
+            err, us = measure(fns[name], sets, want)
+            row[f"{name}_us"], row[f"{name}_err"] = us, err
+            print(f"{shape} T={tokens:5d} {name:16s} {us:9.1f} us  err {err:.1e}", flush=True)
+        if tokens <= 8:  # host loop over experts: not graph-capturable, slow
+            row["reference_us"] = time_over(fns["reference"], sets[:2], graph=False)
+        if sweep and tokens in (1, 64, 4096):
+            for fp4, name in ((True, "nvfp4"), (False, "bf16")):
+                best = float("inf")
+                for cfg in sweep_configs(tokens * TOP_K, inter, fp4):
+                    fn = functools.partial(fns[f"{name}_config"], c=cfg)
+                    err, us = measure(fn, sets, want)
+                    if err < 2e-2:
+                        best = min(best, us)
+                    sweeps.append(
+                        dict(shape=shape, tokens=tokens, fp4=fp4, config=cfg.__dict__, us=us,
+                             err=err)
+                    )  # fmt: skip
+                    print(f"  sweep {name} {cfg}: {us:.1f} us err {err:.1e}", flush=True)
+                row[f"{name}_best_us"] = best
+        rows.append(row)
+    return rows
+
+
+def measure(fn, sets, want) -> tuple[float, float]:
+    """(relative error against `want`, us per call); NaNs if it fails (the run goes on)."""
+    try:
+        return rel_err(fn(*sets[0]), want), time_over(fn, sets)
+    except Exception as exc:
+        print(f"  failed: {type(exc).__name__}: {exc}"[:1000], flush=True)
+        return float("nan"), float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    ap.add_argument("--quick", action="store_true", help="TP8 only, fewer token counts")
+    ap.add_argument("--sweep", action="store_true", help="also time tile variants")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bw, mm = copy_bandwidth(), matmul_rate()
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
+    rows, sweeps = [], []
+    for shape, inter in SHAPES.items():
+        if not (args.quick and shape == "TP1"):
+            tokens = TOKENS if not args.quick else (1, 64, 4096)
+            rows += bench_shape(shape, inter, tokens, gen, bw, mm, args.sweep, sweeps)
+            torch.cuda.empty_cache()
+    meta = dict(
+        device=torch.cuda.get_device_name(),
+        capability=list(torch.cuda.get_device_capability()),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        python=platform.python_version(),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        copy_bandwidth_GBps=bw / 1e9,
+        bf16_matmul_TFLOPs=mm / 1e12,
+        launches_per_call=f"{tk.LAUNCHES} (NVFP4/bf16 Triton, <= {tk.SCAN_MAX_PAIRS} pairs)",
+        shape=dict(hidden=HIDDEN, experts=EXPERTS, top_k=TOP_K, moe_intermediate=SHAPES),
+    )
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "moe.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows, sweep=sweeps), f, indent=1)
+    table = markdown(meta, rows)
+    with open(os.path.join(args.out, "moe.md"), "w") as f:
+        f.write(table)
+    print(table)
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    lines = [
+        f"# MoE experts + combine, Beam-1.0-shaped "
+        f"(hidden {HIDDEN}, {EXPERTS} experts, top-{TOP_K})",
+        "",
+        f"{meta['device']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['date']}. "
+        f"Measured: copy {meta['copy_bandwidth_GBps']:.0f} GB/s, bf16 matmul "
+        f"{meta['bf16_matmul_TFLOPs']:.0f} TFLOP/s. CUDA-graph replay medians (us per call).",
+        "",
+        "| shape | tokens | experts | NVFP4 Triton | % of NVFP4 floor | bf16 Triton | "
+        "grouped_mm bf16 | reference | NVFP4 floor | bf16 floor | FLOP floor | "
+        "NVFP4 vs bf16 | TFLOP/s NVFP4 | best swept NVFP4 / bf16 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        fp4 = r["nvfp4_triton_us"]
+        tflops = 2 * r["tokens"] * TOP_K * 3 * HIDDEN * r["inter"] / (fp4 * 1e-6) / 1e12
+        refus = f"{r['reference_us']:.0f}" if "reference_us" in r else "-"
+        best = "-"
+        if "nvfp4_best_us" in r:
+            best = f"{r['nvfp4_best_us']:.1f} / {r['bf16_best_us']:.1f}"
+        lines.append(
+            f"| {r['shape']} (I={r['inter']}) | {r['tokens']} | {r['experts_touched']:.0f} | "
+            f"{fp4:.1f} | {100 * r['floor_nvfp4_us'] / fp4:.0f}% | {r['bf16_triton_us']:.1f} | "
+            f"{r['grouped_mm_bf16_us']:.1f} | {refus} | {r['floor_nvfp4_us']:.1f} | "
+            f"{r['floor_bf16_us']:.1f} | {r['floor_flops_us']:.1f} | "
+            f"{r['bf16_triton_us'] / fp4:.2f}x | {tflops:.0f} | {best} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
