@@ -1,0 +1,92 @@
+"""The pass framework itself: pass lists and uuids, a user's own pass, no-ops, explain."""
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from beamfx import ops as ir
+from beamfx.passes import PASSES, UnknownPassError, resolve
+from beamfx.pattern import Act, FusionPass, H, T, dtype_in
+from beamfx.pipeline import PassManager
+from beamfx.testing import assert_fusion, compile_with
+from beamfx.testing import strategies as bst
+
+# A pass of one's own, written as a user would: scaled ReLU -> clamp form (same bits).
+scaled_relu = FusionPass("scaled_relu", "relu(x) * s -> clamp_min(x, 0) * s")
+
+
+@scaled_relu.rule(replace=lambda x, s: torch.clamp_min(x, 0.0) * s,
+                  constraints=[dtype_in("x", torch.float32)])  # fmt: skip
+def relu_scale(x: Act[T, H], s: float):
+    return torch.relu(x) * s
+
+
+@given(lists=st.lists(st.permutations(list(PASSES)).map(lambda p: p[: len(p) // 2 + 1]),
+                      min_size=2, max_size=4))  # fmt: skip
+def test_uuid_is_a_function_of_the_pass_list(lists):
+    for a, b in itertools.combinations(lists, 2):
+        same = PassManager(a).uuid() == PassManager(b).uuid()
+        assert same == (resolve(a) == resolve(b)), (a, b)
+
+
+def test_uuid_moves_with_options_and_user_passes():
+    base = PassManager(["boundary"]).uuid()
+    assert PassManager(["boundary"], canonicalize=False).uuid() != base
+    assert PassManager(["boundary", scaled_relu]).uuid() != base
+
+
+def test_unknown_pass_names_the_valid_ones():
+    with pytest.raises(UnknownPassError, match="unknown beamfx pass 'bondary'.*boundary"):
+        PassManager("bondary,router_gemm")
+    assert resolve("all") == list(PASSES)
+    assert resolve("boundary, all") == ["boundary", *[p for p in PASSES if p != "boundary"]]
+
+
+@given(s=st.floats(-4, 4, allow_nan=False), t=bst.token_counts(), seed=st.integers(0, 999))
+def test_a_users_pass_captures_its_scalar(s, t, seed):
+    x = bst.randn(t, 32, dtype=torch.float32, seed=seed)
+    res = assert_fusion(lambda x: torch.relu(x) * s + 1, (x,), [scaled_relu], matches=1)
+    assert res.matches("scaled_relu") == 1
+
+
+def test_a_users_pass_constraint_is_explained():
+    x = bst.randn(4, 32, dtype=torch.bfloat16)
+    res = assert_fusion(lambda x: torch.relu(x) * 0.5, (x,), [scaled_relu], matches=0)
+    (why,) = [e for r in res.manager.reports for e in r.explain]
+    assert (why.pass_name, why.constraint) == ("scaled_relu", "dtype(x)")
+
+
+PROGRAMS = st.lists(st.sampled_from([torch.sin, torch.exp, torch.tanh, torch.abs]), min_size=1,
+                    max_size=4)  # fmt: skip
+
+
+@given(program=PROGRAMS, t=bst.token_counts())
+def test_every_pass_leaves_unrelated_graphs_alone(program, t):
+    def fn(x):
+        for f in program:
+            x = f(x)
+        return x
+
+    x = bst.randn(t, 16, dtype=torch.float32)
+    unfused, _ = compile_with(fn, ())  # Inductor's sin is not eager's to the last bit
+    res = assert_fusion(fn, (x,), "all", matches={n: 0 for n in PASSES}, reference=unfused)
+    for p in res.manager.reports[0].passes:
+        assert p.nodes_before == p.nodes_after, p
+
+
+def test_explain_says_where_the_pattern_diverged():
+    """The post-norm output has a second user, so the boundary cannot take it."""
+    x, r, w = bst.randn(4, 32, seed=1), bst.randn(4, 32, seed=2), bst.randn(32, seed=3)
+
+    def leaky(x, r):
+        t = ir.rms_norm(x, w, 1e-6)
+        h = ir.scaled_residual_add(t, r, 0.5, 0.75)
+        return h, ir.rms_norm(h, w, 1e-6), t
+
+    res = assert_fusion(leaky, (x, r), "boundary", matches=0)
+    (why,) = [e for r in res.manager.reports for e in r.explain]
+    assert why.constraint is None and why.reason.startswith("pattern diverged")
+    assert "multiple_users" in why.reason or "users" in why.reason
