@@ -572,5 +572,68 @@ def _vllm_demo(args: argparse.Namespace) -> int:
     return vllm_demo.run(args)
 
 
+# --- beamfx passes / beamfx compile -------------------------------------------------------
+
+
+@command("passes", "list the fusion passes, each with what it rewrites")
+def _passes(args: argparse.Namespace) -> int:
+    from beamfx.passes import STAGES, descriptions, get_pass
+
+    for name, text in descriptions().items():
+        print(f"{name:<14} {text}")
+    print("always on, around the chosen passes:")
+    for name in STAGES:
+        print(f"  {name:<12} {get_pass(name).description}")
+    return 0
+
+
+def _compile_arguments(parser: argparse.ArgumentParser) -> None:
+    _config_arguments(parser)
+    parser.add_argument("--passes", default="all", help="comma-separated pass names, or all")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel ranks (gloo)")
+    parser.add_argument("--report", choices=["text", "json"], default="text")
+    parser.add_argument("--explain", action="store_true", help="say why candidates did not fuse")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    parser.add_argument("--frontend", choices=["semantic", "torch"], default="semantic")
+    parser.add_argument("--seq", type=int, default=16, help="prompt tokens (default 16)")
+
+
+@command(
+    "compile",
+    "compile the plain model with beamfx passes; report what fused and check the outputs",
+    _compile_arguments,
+)
+def _compile(args: argparse.Namespace) -> int:
+    from beamfx.config import load_config
+    from beamfx.passes import resolve
+
+    resolve(args.passes)  # a misspelled pass fails here, before any work
+    cfg = load_config(args.config, args.layers)
+    cfg.check_world_size(args.tp)
+    _check_weight_size(cfg, args.tp)
+    if args.tp == 1:
+        return _compile_on_rank(0, args)
+    spawn_gloo(args.tp, _compile_on_rank, args)
+    return 0
+
+
+def _compile_on_rank(rank: int, args: argparse.Namespace) -> int:
+    import json
+
+    from beamfx.config import load_config
+    from beamfx.models.beam import Parallel
+    from beamfx.report import build_model, compile_and_report, format_report
+
+    cfg = load_config(args.config, args.layers)
+    dtype = getattr(torch, args.dtype)
+    model = build_model(cfg, args.config, dtype, args.frontend, Parallel.from_default_group())
+    ids, _ = stable_prompt(model, 1, args.seq, seed=0)
+    report = compile_and_report(model.eval(), ids, args.passes, explain=args.explain)
+    report["tp"] = args.tp
+    if rank == 0:
+        print(json.dumps(report, indent=1) if args.report == "json" else format_report(report, cfg))
+    return 0 if report["check"]["agree"] else 1
+
+
 if __name__ == "__main__":
     sys.exit(main())
