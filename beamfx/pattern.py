@@ -54,7 +54,7 @@ class TensorSpec:
     def example(self, act: torch.dtype) -> torch.Tensor:
         shape = [DIM_SIZES.get(d, 5) for d in self.dims]
         dtype = torch.float32 if self.dtype == "any" else (self.dtype or act)
-        if dtype in (torch.int32, torch.int64):
+        if dtype in (torch.int32, torch.int64, torch.uint8):
             return torch.randint(0, DIM_SIZES["e"], shape, dtype=dtype)
         return torch.randn(shape).to(dtype)
 
@@ -81,6 +81,8 @@ Act = _SpecFactory(None)
 F32 = _SpecFactory(torch.float32)
 AnyFloat = _SpecFactory("any")  # any floating dtype, not a variant axis (e.g. a weight)
 I32 = _SpecFactory(torch.int32)
+U8 = _SpecFactory(torch.uint8)  # packed 4-bit codes
+FP8 = _SpecFactory(torch.float8_e4m3fn)  # block scales
 
 # Sentinels stand for scalar wildcards while tracing; they must not occur otherwise.
 _FLOAT_SENTINELS = [0.0123 + 0.00071 * i for i in range(32)]

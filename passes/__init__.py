@@ -10,6 +10,7 @@ from beamfx.pattern import FusionPass
 PASSES: dict[str, str] = {
     "attn_gate": "beamfx.passes.attn_gate",
     "router_gemm": "beamfx.passes.router_gemm",
+    "mega_moe": "beamfx.passes.mega_moe",
     "boundary": "beamfx.passes.boundary",
 }
 # Always-on stages around the chosen fusions (see beamfx.pipeline).
