@@ -262,7 +262,7 @@ def _place(node: torch.fx.Node) -> tuple[int | None, str]:
     """(layer index, scope) from the module stack Dynamo records on each node."""
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
-        return None, "?"  # e.g. code resumed after a graph break loses its module stack
+        return None, "?"  # the root module's own code, or code resumed after a graph break
     path = list(stack.values())[-1][0]
     # Dynamo spells module paths differently across versions: a.b.0, a.b[0], _modules['b'].
     path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
