@@ -1,0 +1,317 @@
+"""NVFP4 (ModelOpt layout): encodings, rounding, round trips, errors; the MoE references;
+NVFP4 checkpoints and the plain model's NVFP4 experts.
+
+Round-trip bound checked here (stated in `kernels/moe/nvfp4.py`): with S the block's
+effective scale, `|x - x'| <= S * half_step(min(|x|/S, 6)) + max(0, |x| - 6 S)`; for blocks
+whose E4M3 scale is a normal number, `|x - x'| <= (1 + 2^-4) / 6 * amax(block)`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from beamfx.kernels.moe import nvfp4
+from beamfx.kernels.moe import reference as ref
+from beamfx.kernels.moe.nvfp4 import NVFP4Error
+
+# Hand table: code -> value (bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa).
+E2M1_TABLE = {
+    0b0000: 0.0, 0b0001: 0.5, 0b0010: 1.0, 0b0011: 1.5,
+    0b0100: 2.0, 0b0101: 3.0, 0b0110: 4.0, 0b0111: 6.0,
+    0b1001: -0.5, 0b1010: -1.0, 0b1011: -1.5, 0b1100: -2.0,
+    0b1101: -3.0, 0b1110: -4.0, 0b1111: -6.0,
+}  # fmt: skip
+
+
+def test_e2m1_decoding_matches_hand_table():
+    values = nvfp4.decode_e2m1(torch.arange(16))
+    for code, v in E2M1_TABLE.items():
+        assert values[code].item() == v
+    assert values[8].item() == 0.0 and math.copysign(1, values[8].item()) == -1  # -0
+
+
+@pytest.mark.parametrize(
+    "x, code",
+    [
+        (0.24, 0), (0.25, 0), (0.26, 1), (0.75, 2), (0.74, 1), (1.25, 2), (1.26, 3),
+        (1.75, 4), (2.5, 4), (2.51, 5), (3.5, 6), (4.9, 6), (5.0, 6), (5.01, 7), (6.0, 7),
+        (7.0, 7), (1e6, 7), (-0.25, 8), (-0.0, 8), (0.0, 0), (-1.75, 12), (-3.5, 14),
+        (-100.0, 15),
+    ],
+)  # fmt: skip
+def test_e2m1_rounds_to_nearest_even_and_saturates(x, code):
+    assert nvfp4.encode_e2m1(torch.tensor([x])).item() == code
+
+
+def test_e4m3_encoding_hand_table():
+    # byte -> value: sign, 4-bit exponent (bias 7), 3-bit mantissa; e=0 is subnormal.
+    table = {0x01: 2.0**-9, 0x07: 7 * 2.0**-9, 0x08: 2.0**-6, 0x38: 1.0, 0x3C: 1.5, 0x7E: 448.0,
+             0xB8: -1.0}  # fmt: skip
+    raw = torch.tensor(list(table), dtype=torch.uint8)
+    assert raw.view(torch.float8_e4m3fn).float().tolist() == list(table.values())
+
+
+def test_packing_order_is_modelopt():
+    # element 2j in the low nibble, 2j+1 in the high nibble
+    assert nvfp4.pack_e2m1(torch.tensor([1, 2, 15, 0])).tolist() == [0x21, 0x0F]
+    assert nvfp4.unpack_e2m1(torch.tensor([0x21, 0x0F], dtype=torch.uint8)).tolist() == [
+        1,
+        2,
+        15,
+        0,
+    ]
+
+
+def modelopt_codes(x: torch.Tensor, block_scale: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's `_cast_fp4` recipe, written out independently: searchsorted over the decision
+    bounds, then bump the ties whose upper neighbour is even."""
+    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    scaled = x.float().unflatten(-1, (-1, 16)) / (block_scale.float() * g).unsqueeze(-1)
+    scaled = scaled.flatten(-2)
+    mag = scaled.abs()
+    code = torch.searchsorted(bounds, mag.contiguous())
+    code += (mag.unsqueeze(-1) == torch.tensor([0.75, 1.75, 3.5])).any(-1).long()
+    return code + 8 * (scaled < 0).long()
+
+
+@given(rows=st.integers(1, 6), blocks=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_quantize_agrees_with_modelopt_recipe(rows, blocks, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 16 * blocks, generator=g) * torch.rand(rows, 1, generator=g) * 4
+    q = nvfp4.quantize(x)
+    assert torch.allclose(q.global_scale, x.abs().amax() / (6 * 448))
+    block_amax = x.abs().unflatten(-1, (-1, 16)).amax(-1)
+    want_scale = (block_amax / (6 * q.global_scale)).to(torch.float8_e4m3fn)
+    assert torch.equal(q.scale.view(torch.uint8), want_scale.view(torch.uint8))
+    codes = nvfp4.unpack_e2m1(q.packed).long()
+    want = modelopt_codes(x, q.scale, q.global_scale)
+    nonzero = (x != 0) & (codes != 8)  # ModelOpt writes +0 where we keep the sign of -0
+    assert torch.equal(codes[nonzero], want[nonzero])
+
+
+@given(
+    matrices=st.integers(1, 3),
+    rows=st.integers(1, 5),
+    blocks=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_round_trip_is_exact_for_representable_values(matrices, rows, blocks, seed):
+    """Codes whose every block holds a +-6: dequantize then quantize gives them back bitwise."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (matrices, rows, 16 * blocks), generator=g, dtype=torch.uint8)
+    codes.view(matrices, rows, blocks, 16)[..., 0] = 7 + 8 * torch.randint(
+        0, 2, (matrices, rows, blocks), generator=g, dtype=torch.uint8
+    )
+    scale_bytes = torch.randint(0x08, 0x7F, (matrices, rows, blocks), generator=g)  # normals
+    scale = scale_bytes.to(torch.uint8).view(torch.float8_e4m3fn)
+    glob = torch.rand(matrices, generator=g) * 1e-2 + 1e-4
+    packed = nvfp4.pack_e2m1(codes)
+    x = nvfp4.dequantize(packed, scale, glob)
+    again = nvfp4.quantize(x, glob)
+    assert torch.equal(again.packed, packed)
+    assert torch.equal(again.scale.view(torch.uint8), scale.view(torch.uint8))
+
+
+def half_step(m: torch.Tensor) -> torch.Tensor:
+    return torch.where(m <= 2, 0.25, torch.where(m <= 4, 0.5, 1.0))
+
+
+@given(
+    rows=st.integers(1, 6),
+    blocks=st.integers(1, 4),
+    spread=st.floats(0, 12),
+    seed=st.integers(0, 2**16),
+)
+def test_round_trip_error_is_bounded(rows, blocks, spread, seed):
+    g = torch.Generator().manual_seed(seed)
+    # block magnitudes over 2^spread: tiny blocks get subnormal or zero E4M3 scales
+    mags = 2.0 ** (-spread * torch.rand(rows, blocks, 1, generator=g))
+    x = (torch.randn(rows, blocks, 16, generator=g) * mags).flatten(-2)
+    q = nvfp4.quantize(x)
+    err = (q.dequantize() - x).abs().unflatten(-1, (-1, 16))
+    xb = x.abs().unflatten(-1, (-1, 16))
+    s = (q.scale.float() * q.global_scale).unsqueeze(-1)
+    bound = s * half_step(torch.clamp(xb / s, max=6)) + torch.clamp(xb - 6 * s, min=0)
+    assert (err <= bound * (1 + 1e-6) + 1e-30).all()
+    normal = (q.scale.float() >= 2.0**-6).unsqueeze(-1)
+    amax = xb.amax(-1, keepdim=True)
+    assert ((err <= (1 + 2**-4) / 6 * amax * (1 + 1e-6)) | ~normal).all()
+
+
+def test_errors_name_the_problem():
+    with pytest.raises(NVFP4Error, match="multiple of 16"):
+        nvfp4.quantize(torch.randn(4, 24))
+    with pytest.raises(NVFP4Error, match="NaN"):
+        nvfp4.quantize(torch.tensor([[float("nan")] * 16]))
+    with pytest.raises(NVFP4Error, match="too small"):
+        nvfp4.quantize(torch.full((1, 16), 100.0), global_scale=1e-3)
+    q = nvfp4.quantize(torch.randn(4, 32))
+    with pytest.raises(NVFP4Error, match="block scale has shape"):
+        nvfp4.dequantize(q.packed, q.scale[:, :1], q.global_scale)
+    with pytest.raises(NVFP4Error, match="uint8"):
+        nvfp4.dequantize(q.packed.int(), q.scale, q.global_scale)
+    with pytest.raises(NVFP4Error, match="finite and > 0"):
+        nvfp4.check_scale_values(q.scale, torch.tensor(0.0))
+    e = nvfp4.quantize_experts(torch.randn(2, 64, 32), torch.randn(2, 32, 32))
+    with pytest.raises(NVFP4Error, match="w2 has shape"):
+        nvfp4.check_experts(e.w13, e.w13_scale, e.w13_global, e.w2[:, :16], e.w2_scale, e.w2_global)
+    with pytest.raises(NVFP4Error, match="w13_global"):
+        nvfp4.check_experts(e.w13, e.w13_scale, e.w2_global, e.w2, e.w2_scale, e.w2_global)
+    with pytest.raises(NVFP4Error, match="only ModelOpt NVFP4"):
+        nvfp4.modelopt_nvfp4({"quant_method": "modelopt", "quant_algo": "FP8"})
+    with pytest.raises(NVFP4Error, match="group_size"):
+        nvfp4.modelopt_nvfp4({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32})
+    assert nvfp4.modelopt_nvfp4(None) is False
+
+
+# --- the references agree with each other --------------------------------------------------
+
+
+def dense_moe(x, weights, ids, w13, w2, scale):
+    """Token by token, slot by slot: the MoE written as plainly as possible."""
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
+    inter = w13.shape[1] // 2
+    for t in range(x.shape[0]):
+        for j, e in enumerate(ids[t].tolist()):
+            gu = (x[t : t + 1] @ w13[e].T).to(x.dtype)
+            h = (torch.nn.functional.silu(gu[:, :inter].float()) * gu[:, inter:].float()).to(
+                x.dtype
+            )
+            row = (h @ w2[e].T).to(x.dtype)
+            out[t] += row[0].double() * float(weights[t, j])
+    return (out * scale).float().to(x.dtype)
+
+
+@given(
+    tokens=st.integers(1, 9),
+    n_group=st.sampled_from([1, 2, 4]),
+    group_size=st.integers(1, 4),
+    top_k=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=10)
+def test_references_agree(tokens, n_group, group_size, top_k, seed):
+    experts = n_group * group_size
+    topk_group = max(1, n_group // 2)
+    top_k = min(top_k, topk_group * group_size)
+    g = torch.Generator().manual_seed(seed)
+    hidden, inter = 32, 16
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    logits = torch.randn(tokens, experts, generator=g)
+    bias = torch.randn(experts, generator=g) * 0.1
+    weights, ids = ref.grouped_topk(logits, bias, top_k, n_group, topk_group, True)
+    q = nvfp4.quantize_experts(
+        torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5,
+        torch.randn(experts, hidden, inter, generator=g) / inter**0.5,
+    )
+    w13, w2 = q.dequantize(torch.bfloat16)
+    fused = ref.mega_moe_nvfp4(x, weights, ids, *q.tensors(), 2.5)
+    assert torch.equal(fused, ref.mega_moe(x, weights, ids, w13, w2, 2.5))
+    assert torch.equal(
+        ref.moe_experts_nvfp4(x, *q.tensors(), ids), ref.moe_experts(x, w13, w2, ids)
+    )
+    plain = dense_moe(x, weights, ids, w13, w2, 2.5).float()
+    assert ((fused.float() - plain).abs() <= 2**-7 * plain.abs() + 1e-3).all()
+
+
+# --- checkpoints and the plain model ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nvfp4_checkpoint(tmp_path_factory) -> str:
+    from beamfx.quant import write_tiny_nvfp4_checkpoint
+
+    return write_tiny_nvfp4_checkpoint(str(tmp_path_factory.mktemp("nvfp4")))
+
+
+def test_nvfp4_checkpoint_loads_and_matches_the_fp64_model(nvfp4_checkpoint):
+    from safetensors import safe_open
+
+    from beamfx.checkpoint import load_checkpoint
+    from beamfx.models.beam import BeamExpertsNVFP4, reference_model
+
+    with safe_open(f"{nvfp4_checkpoint}/model.safetensors", "pt") as f:
+        name = next(k for k in f.keys() if k.endswith("experts.3.up_proj.weight"))  # noqa: SIM118
+        base = name[: -len(".weight")]
+        packed, block = f.get_tensor(name), f.get_tensor(f"{base}.weight_scale")
+        glob = f.get_tensor(f"{base}.weight_scale_2")
+    assert packed.dtype == torch.uint8 and block.dtype == torch.float8_e4m3fn
+    assert glob.dtype == torch.float32 and glob.dim() == 0
+    model = load_checkpoint(nvfp4_checkpoint)
+    experts = model.get_submodule(base.rsplit(".", 2)[0])
+    assert isinstance(experts, BeamExpertsNVFP4)
+    inter = experts.w13.shape[1] // 2
+    assert torch.equal(experts.w13[3, inter:], packed)
+    assert experts.w13_global[3, 1] == glob
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0)
+    )
+    got, want = model(ids).double(), reference_model(model)(ids)
+    assert ((got - want).norm() / want.norm()).item() < 3e-2
+
+
+def test_nvfp4_checkpoint_shards_for_tensor_parallelism(nvfp4_checkpoint):
+    from beamfx.checkpoint import load_checkpoint
+    from beamfx.models.beam import Parallel
+
+    full = load_checkpoint(nvfp4_checkpoint)
+    for rank in range(2):
+        part = load_checkpoint(nvfp4_checkpoint, Parallel(rank, 2))
+        for name, module in part.named_modules():
+            if not hasattr(module, "w13_global"):
+                continue
+            whole = full.get_submodule(name)
+            inter = module.w13.shape[1] // 2
+            gate = slice(rank * inter, (rank + 1) * inter)
+            assert torch.equal(module.w13[:, :inter], whole.w13[:, gate])
+            assert torch.equal(module.w13_scale.view(torch.uint8)[:, :inter],
+                               whole.w13_scale.view(torch.uint8)[:, gate])  # fmt: skip
+            cols, scols = module.w2.shape[2], module.w2_scale.shape[2]
+            assert torch.equal(module.w2, whole.w2[:, :, rank * cols : (rank + 1) * cols])
+            shard = whole.w2_scale.view(torch.uint8)[:, :, rank * scols : (rank + 1) * scols]
+            assert torch.equal(module.w2_scale.view(torch.uint8), shard)
+            assert torch.equal(module.w13_global, whole.w13_global)
+
+
+def test_nvfp4_checkpoint_errors(nvfp4_checkpoint, tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from beamfx.checkpoint import load_checkpoint
+
+    broken = tmp_path / "broken"
+    shutil.copytree(nvfp4_checkpoint, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    victim = next(k for k in tensors if k.endswith("experts.0.down_proj.weight_scale_2"))
+    del tensors[victim]
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(NVFP4Error, match="lacks weight_scale_2"):
+        load_checkpoint(str(broken))
+    cfg = json.loads((broken / "config.json").read_text())
+    del cfg["quantization_config"]
+    (broken / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises((NVFP4Error, ValueError), match="quantization_config|shape"):
+        load_checkpoint(str(broken))
+
+
+def test_moe_layer_calls_the_nvfp4_semantic_op(nvfp4_checkpoint):
+    """The graph a pass sees: moe_experts_nvfp4 then moe_finalize, one node each."""
+    from beamfx.checkpoint import load_checkpoint
+    from beamfx.models.beam import BeamMoE
+
+    model = load_checkpoint(nvfp4_checkpoint)
+    moe = next(m for m in model.modules() if isinstance(m, BeamMoE))
+    x = torch.randn(3, model.config.hidden_size, dtype=torch.bfloat16)
+    graph = make_fx(moe)(x).graph
+    targets = [n.target for n in graph.nodes if n.op == "call_function"]
+    assert torch.ops.beamfx.moe_experts_nvfp4.default in targets
+    assert torch.ops.beamfx.moe_finalize.default in targets
+    assert torch.ops.beamfx.moe_experts.default not in targets
