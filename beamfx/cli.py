@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
 
 # --- shared helpers -----------------------------------------------------------------------
 
-# A CPU machine of the project has about 128 GiB; a model whose weights alone need more
-# than this is a typo in --layers, not a request (Beam-1.0-shaped is ~1 TB in bf16).
+# The project's CPU machines have about 23 GiB of memory; a model whose weights alone need
+# more than this is a typo in --layers, not a request (Beam-1.0-shaped is ~1 TB in bf16).
 _MAX_WEIGHT_GIB = 16.0
 
 
