@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 
 import torch
-from beamfx.kernels.boundary import reference
 
+from beamfx.kernels.boundary import reference
 from beamfx.ops import Provider
 
 try:
@@ -38,7 +38,7 @@ if triton is not None:
         # CPU runs of this kernel keep the contract's roundings bit for bit.
         @triton.jit
         def _round(v, OUT_DTYPE: tl.constexpr):
-            if OUT_DTYPE == tl.bfloat16:
+            if tl.bfloat16 == OUT_DTYPE:
                 bits = v.to(tl.uint32, bitcast=True)
                 bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
                 return bits.to(tl.float32, bitcast=True)
@@ -57,6 +57,37 @@ if triton is not None:
         multiply by fp32(1/H), as torch's CUDA mean does."""
         mean = tl.sum(v * v, axis=0) * inv_hidden
         return v * tl.math.rsqrt(mean + eps) * w
+
+    @triton.jit
+    def _finish_row(
+        x,
+        r,
+        row64,
+        h_ptr,
+        y_ptr,
+        cols,
+        mask,
+        hidden,
+        w_post,
+        w_next,
+        inv_hidden,
+        eps_post,
+        eps_next,
+        x_scale,
+        residual_scale,
+        HAS_NEXT: tl.constexpr,
+        OUT_DTYPE: tl.constexpr,
+    ):
+        """From the reduced row (fp32 values of OUT_DTYPE) and the residual row: the
+        contract's roundings in its order (BEAM.md, "Decoder layer"), then the stores."""
+        t = _round(_rms_scale(x, w_post.to(tl.float32), inv_hidden, eps_post), OUT_DTYPE)
+        t = _round(t * x_scale, OUT_DTYPE)
+        u = _round(r.to(tl.float32) * residual_scale, OUT_DTYPE)
+        h = _round(t + u, OUT_DTYPE)
+        tl.store(h_ptr + row64 * hidden + cols, h.to(OUT_DTYPE), mask=mask)
+        if HAS_NEXT:
+            y = _round(_rms_scale(h, w_next.to(tl.float32), inv_hidden, eps_next), OUT_DTYPE)
+            tl.store(y_ptr + row64 * hidden + cols, y.to(OUT_DTYPE), mask=mask)
 
     @triton.jit(do_not_specialize=["n_rows"])
     def _boundary_kernel(
@@ -79,36 +110,71 @@ if triton is not None:
         HAS_NEXT: tl.constexpr,
         OUT_DTYPE: tl.constexpr,
         BLOCK_H: tl.constexpr,
+        PREFETCH: tl.constexpr,
     ):
         # Each program walks rows pid, pid + grid, ...; the norm weights stay in registers.
+        pid = tl.program_id(0)
+        step = tl.num_programs(0)
         cols = tl.arange(0, BLOCK_H)
         mask = cols < hidden
-        w_post = tl.load(w_post_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        # Streamed rows are read once (evict_first); the norm weights stay in L2 (evict_last).
+        w_post = tl.load(w_post_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last")
+        w_next = w_post
         if HAS_NEXT:
-            w_next = tl.load(w_next_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        for row in tl.range(tl.program_id(0), n_rows, tl.num_programs(0)):
-            row64 = tl.cast(row, tl.int64)
-            r = tl.load(r_ptr + row64 * hidden + cols, mask=mask, other=0.0)
-            if TOPK == 0:
-                x = tl.load(x_ptr + row64 * hidden + cols, mask=mask, other=0.0)
-                x = x.to(tl.float32)
-            else:
-                # MoE finalize: fp32 weighted sum of the k expert rows, routed scale, one rounding.
-                acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-                for j in tl.static_range(TOPK):
-                    wj = tl.load(topk_w_ptr + row64 * TOPK + j).to(tl.float32)
-                    xj = tl.load(x_ptr + (row64 * TOPK + j) * hidden + cols, mask=mask, other=0.0)
-                    acc += xj.to(tl.float32) * wj
-                x = _round(acc * routed_scale, OUT_DTYPE)
-            # The contract's roundings, in its order (BEAM.md, "Decoder layer").
-            t = _round(_rms_scale(x, w_post, inv_hidden, eps_post), OUT_DTYPE)
-            t = _round(t * x_scale, OUT_DTYPE)
-            u = _round(r.to(tl.float32) * residual_scale, OUT_DTYPE)
-            h = _round(t + u, OUT_DTYPE)
-            tl.store(h_ptr + row64 * hidden + cols, h.to(OUT_DTYPE), mask=mask)
-            if HAS_NEXT:
-                y = _round(_rms_scale(h, w_next, inv_hidden, eps_next), OUT_DTYPE)
-                tl.store(y_ptr + row64 * hidden + cols, y.to(OUT_DTYPE), mask=mask)
+            w_next = tl.load(w_next_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last")
+        if TOPK == 0 and PREFETCH:
+            # Software pipelining by hand: the next row's loads fly while this row computes.
+            first = tl.cast(pid, tl.int64) * hidden + cols  # the grid has at most n_rows
+            x_next = tl.load(x_ptr + first, mask=mask, other=0.0, eviction_policy="evict_first")
+            r_next = tl.load(r_ptr + first, mask=mask, other=0.0, eviction_policy="evict_first")
+            for row in tl.range(pid, n_rows, step):
+                row64 = tl.cast(row, tl.int64)
+                x = x_next
+                r = r_next
+                ahead = (row64 + step) * hidden + cols
+                ok = cols < tl.where(row64 + step < n_rows, hidden, 0)
+                x_next = tl.load(x_ptr + ahead, mask=ok, other=0.0, eviction_policy="evict_first")
+                r_next = tl.load(r_ptr + ahead, mask=ok, other=0.0, eviction_policy="evict_first")
+                _finish_row(
+                    x.to(tl.float32), r, row64, h_ptr, y_ptr, cols, mask, hidden, w_post,
+                    w_next, inv_hidden, eps_post, eps_next, x_scale, residual_scale, HAS_NEXT,
+                    OUT_DTYPE,
+                )  # fmt: skip
+        else:
+            for row in tl.range(pid, n_rows, step):
+                row64 = tl.cast(row, tl.int64)
+                r = tl.load(
+                    r_ptr + row64 * hidden + cols,
+                    mask=mask,
+                    other=0.0,
+                    eviction_policy="evict_first",
+                )
+                if TOPK == 0:
+                    x = tl.load(
+                        x_ptr + row64 * hidden + cols,
+                        mask=mask,
+                        other=0.0,
+                        eviction_policy="evict_first",
+                    )
+                    x = x.to(tl.float32)
+                else:
+                    # MoE finalize: fp32 weighted sum of the k expert rows, routed scale, one
+                    # rounding.
+                    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+                    for j in tl.static_range(TOPK):
+                        wj = tl.load(topk_w_ptr + row64 * TOPK + j).to(tl.float32)
+                        xj = tl.load(
+                            x_ptr + (row64 * TOPK + j) * hidden + cols,
+                            mask=mask,
+                            other=0.0,
+                            eviction_policy="evict_first",
+                        )
+                        acc += xj.to(tl.float32) * wj
+                    x = _round(acc * routed_scale, OUT_DTYPE)
+                _finish_row(
+                    x, r, row64, h_ptr, y_ptr, cols, mask, hidden, w_post, w_next, inv_hidden,
+                    eps_post, eps_next, x_scale, residual_scale, HAS_NEXT, OUT_DTYPE,
+                )  # fmt: skip
 
 
 def _check(
@@ -164,12 +230,15 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-def _launch_config(n_rows: int, block_h: int, device: torch.device) -> tuple[int, int]:
-    """(num_warps, programs): one row per program up to 8 resident programs per SM; above,
-    a persistent grid that keeps the norm weights in registers across rows."""
-    num_warps = 16 if block_h >= 8192 else max(4, block_h // 512)
-    programs = min(n_rows, _sm_count(device) * max(1, 64 // num_warps))
-    return num_warps, programs
+def _launch_config(n_rows: int, block_h: int, topk: int, device: torch.device) -> tuple[int, int]:
+    """(num_warps, programs), measured on an H200 at hidden 5120 (bench/NOTES.md). Few rows:
+    one row per program, about 16 elements a thread (lowest latency). Many rows (and the
+    k-row finalize, which holds more): 32 warps a row, one program per SM walking rows with
+    the next row's loads in flight."""
+    sms = _sm_count(device)
+    if n_rows <= sms and not topk:
+        return min(16, max(4, block_h // 512)), n_rows
+    return min(32, max(4, block_h // 256)), min(n_rows, sms)
 
 
 def boundary_into(
@@ -188,12 +257,13 @@ def boundary_into(
     *,
     num_warps: int | None = None,
     programs: int | None = None,
+    prefetch: bool | None = None,
 ) -> None:
     """Run the kernel into contiguous `h_out` (and `y_out` when `w_next` is given).
 
     `x` is the reduced sublayer output [T, H], or with `topk_weights` [T, k] the
-    unfinalized expert rows [T, k, H] (finalized in the kernel). `num_warps` and
-    `programs` override the launch heuristic (benchmark sweeps only).
+    unfinalized expert rows [T, k, H] (finalized in the kernel). `num_warps`, `programs`
+    and `prefetch` override the launch heuristic (benchmark sweeps only).
     """
     hidden = residual.shape[-1]
     n_rows = residual.numel() // hidden if hidden else 0
@@ -208,7 +278,7 @@ def boundary_into(
         topk = topk_weights.shape[-1]
         topk_weights = topk_weights.contiguous()
     block_h = triton.next_power_of_2(hidden)
-    default_warps, default_programs = _launch_config(n_rows, block_h, x.device)
+    default_warps, default_programs = _launch_config(n_rows, block_h, topk, x.device)
     num_warps = num_warps or default_warps
     programs = min(n_rows, programs or default_programs)
     _boundary_kernel[(programs,)](
@@ -231,6 +301,7 @@ def boundary_into(
         HAS_NEXT=w_next is not None,
         OUT_DTYPE=_TL_DTYPES[residual.dtype],
         BLOCK_H=block_h,
+        PREFETCH=programs < n_rows if prefetch is None else prefetch,
         num_warps=num_warps,
     )
 

@@ -15,8 +15,8 @@ import os
 from dataclasses import dataclass
 
 import torch
-from beamfx.kernels.router import reference
 
+from beamfx.kernels.router import reference
 from beamfx.ops import Provider
 
 try:
@@ -33,6 +33,8 @@ TRITON_MAX_TOKENS = 1024
 # Routing in Triton needs power-of-two tiles: experts and group sizes.
 MAX_EXPERTS = 1024
 _MAX_TILES = 2048
+# Partials the fixup loads at once (x BLOCK_E x BLOCK_T): bounded so they fit registers.
+_FIX_ELEMENTS = 4096
 
 if triton is not None:
     if _INTERPRET:
@@ -184,7 +186,8 @@ if triton is not None:
         tl.debug_barrier()
         done = tl.atomic_add(route_count_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
         if done == tl.num_programs(0) - 1:
-            for sub in tl.static_range(0, BLOCK_T, ROWS):
+            rows_here = tl.minimum(BLOCK_T, n_tokens - pid_t * BLOCK_T)
+            for sub in tl.range(0, rows_here, ROWS):  # a loop, not unrolled: compile time
                 _route_rows(
                     logits_ptr, bias_ptr, weights_ptr, ids_ptr, pid_t * BLOCK_T + sub,
                     n_tokens, ROWS, E, N_GROUP, TOPK_GROUP, TOP_K, K_POW2, RENORM,
@@ -210,8 +213,10 @@ if triton is not None:
         BLOCK_E: tl.constexpr,
         BLOCK_K: tl.constexpr,
         K_CHUNK: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
         SPLIT_K: tl.constexpr,
         SPLIT_POW2: tl.constexpr,
+        FIX_SPLITS: tl.constexpr,
         W_PIECES: tl.constexpr,
         ROUTE: tl.constexpr,
         ROUTE_ROWS: tl.constexpr,
@@ -232,7 +237,8 @@ if triton is not None:
         e_ok = offs_e < n_experts
         t_ok = offs_t < n_tokens
         acc = tl.zeros([BLOCK_E, BLOCK_T], dtype=tl.float32)
-        for kk in tl.static_range(0, K_CHUNK, BLOCK_K):
+        # Triton pipelines this loop's loads (cp.async, NUM_STAGES deep) under the MMAs.
+        for kk in tl.range(0, K_CHUNK, BLOCK_K, num_stages=NUM_STAGES):
             offs_k = pid_s * K_CHUNK + kk + tl.arange(0, BLOCK_K)
             k_ok = offs_k < hidden
             w = tl.load(
@@ -264,14 +270,18 @@ if triton is not None:
             tile = pid_t * tl.num_programs(0) + pid_e
             arrived = tl.atomic_add(tile_count_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived == n_splits - 1:
-                splits = tl.arange(0, SPLIT_POW2)
-                parts = tl.load(
-                    part_ptr + splits[:, None, None] * n_tokens * n_experts + out[None, :, :],
-                    mask=(splits < n_splits)[:, None, None] & ok[None, :, :],
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                tl.store(out_ptr + out, tl.sum(parts, axis=0), mask=ok)
+                # Fixed order (chunks of FIX_SPLITS partials): the same sum every run.
+                logits = tl.zeros([BLOCK_E, BLOCK_T], dtype=tl.float32)
+                for s0 in tl.static_range(0, SPLIT_POW2, FIX_SPLITS):
+                    splits = s0 + tl.arange(0, FIX_SPLITS)
+                    parts = tl.load(
+                        part_ptr + splits[:, None, None] * n_tokens * n_experts + out[None, :, :],
+                        mask=(splits < n_splits)[:, None, None] & ok[None, :, :],
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    logits += tl.sum(parts, axis=0)
+                tl.store(out_ptr + out, logits, mask=ok)
                 tl.atomic_xchg(tile_count_ptr + tile, 0)
                 if ROUTE:
                     _route_when_last(
@@ -295,19 +305,27 @@ class GemmConfig:
     k_chunk: int
     block_k: int
     num_warps: int
+    num_stages: int = 3
     max_block_t: int = 64
 
 
 # By token count (first whose bound holds); measured on an H200 (bench/NOTES.md).
 GEMM_CONFIGS: list[tuple[int, GemmConfig]] = [
-    (16, GemmConfig(block_e=32, k_chunk=256, block_k=128, num_warps=4)),
-    (64, GemmConfig(block_e=32, k_chunk=256, block_k=128, num_warps=4)),
-    (1 << 62, GemmConfig(block_e=64, k_chunk=1024, block_k=128, num_warps=4)),
+    # Few tokens: 320 programs, each with its whole 16 KB weight chunk in flight (stages =
+    # iterations + 1): the weight read is latency-bound, not compute-bound.
+    (
+        16,
+        GemmConfig(block_e=16, k_chunk=256, block_k=64, num_warps=4, num_stages=5, max_block_t=16),
+    ),
+    (64, GemmConfig(block_e=16, k_chunk=256, block_k=64, num_warps=4, num_stages=5)),
+    (1 << 62, GemmConfig(block_e=64, k_chunk=512, block_k=64, num_warps=4, num_stages=3)),
 ]
-# Rows a routing program holds at once (registers: ROWS x experts fp32 tiles).
-ROUTE_ROWS = 4
-ROUTE_WARPS = 2
-FUSED_ROUTING = True
+# Rows a routing program holds at once (registers: ROWS x experts fp32 tiles). Measured on
+# an H200: one row per one-warp program, in a second kernel, beat routing inside the GEMM's
+# last programs (which serializes the rows of a token block).
+ROUTE_ROWS = 1
+ROUTE_WARPS = 1
+FUSED_ROUTING = False
 
 
 def _gemm_config(n_tokens: int) -> GemmConfig:
@@ -355,6 +373,7 @@ def _launch_gemm(
     config = config or _gemm_config(n_tokens)
     block_t = min(config.max_block_t, max(16, triton.next_power_of_2(n_tokens)))
     n_splits = triton.cdiv(hidden, config.k_chunk)
+    split_pow2 = triton.next_power_of_2(n_splits)
     grid = (triton.cdiv(n_experts, config.block_e), n_splits, triton.cdiv(n_tokens, block_t))
     if grid[0] * grid[2] > _MAX_TILES:
         raise ValueError(
@@ -390,8 +409,10 @@ def _launch_gemm(
         BLOCK_E=config.block_e,
         BLOCK_K=config.block_k,
         K_CHUNK=config.k_chunk,
+        NUM_STAGES=config.num_stages,
         SPLIT_K=n_splits > 1,
-        SPLIT_POW2=triton.next_power_of_2(n_splits),
+        SPLIT_POW2=split_pow2,
+        FIX_SPLITS=max(1, min(split_pow2, _FIX_ELEMENTS // (config.block_e * block_t))),
         W_PIECES=3 if weight.dtype == torch.float32 else 1,
         ROUTE=route is not None,
         ROUTE_ROWS=min(ROUTE_ROWS, block_t),

@@ -53,27 +53,37 @@ def make_inputs(tokens, hidden, topk, dtype, device, seed, scales=(0.3, 0.9), ro
     return (x, residual, w_post, w_next, 1e-6, 1e-5, xs, rs, None, topk_weights, routed)
 
 
+def ulp_at(magnitude: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One unit in the last place of `dtype` at each |value| (fp32 result)."""
+    mantissa_bits = {torch.bfloat16: 7, torch.float16: 10}[dtype]
+    tiny = torch.finfo(dtype).tiny
+    return torch.exp2(torch.floor(torch.log2(magnitude.float().clamp_min(tiny))) - mantissa_bits)
+
+
 def check_against_reference(args, h, y) -> dict:
-    """16-bit outputs: h within 1 ulp of the reference, y within 1 ulp of the next norm of
-    this h (a 1-ulp h difference may move y by 2 ulps, so y is judged on its own step);
-    nearly all elements bitwise equal. fp32 outputs (no roundings): close in norm."""
-    x, residual, w_post, w_next, eps_post, eps_next = args[:6]
+    """16-bit outputs. h: the rounded add h = round(t + u) inherits a 1-ulp difference of t
+    (a row-sum order flips a rare rounding), so it is held to 2 ulps at the addends' scale
+    |h| + |u| (where t and u cancel, plain ulps of h mean nothing). y: within 1 ulp of the
+    next norm of this h. Nearly all elements must be bitwise equal: a lost rounding would
+    move many. fp32 outputs (no roundings): close in norm."""
+    x, residual, w_post, w_next, eps_post, eps_next, xs, rs = args[:8]
     h_ref, y_ref = reference.fused_boundary(*args)
     assert not h.isnan().any() and not y.isnan().any(), "an output element was not written"
     if h.dtype == torch.float32:
         torch.testing.assert_close(h, h_ref, rtol=1e-5, atol=1e-5 * h_ref.abs().max().item())
         torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5 * y_ref.abs().max().item())
         return {}
-    h_ulps = ulps(h, h_ref)
+    u = (residual.float() * rs).to(h.dtype)
+    scale = h_ref.float().abs() + u.float().abs()
+    h_err = (h.float() - h_ref.float()).abs()
+    assert (h_err <= 2 * ulp_at(scale, h.dtype)).all(), f"h off by {h_err.max()}"
     y_step_ulps = ulps(y, rms_norm(h, w_next, eps_next))
-    assert h_ulps.max() <= 1, f"h off by {h_ulps.max()} ulps"
     assert y_step_ulps.max() <= 1, f"y off by {y_step_ulps.max()} ulps from rms_norm(h)"
     stats = {
-        "h_differ": (h_ulps != 0).sum().item(),
+        "h_differ": (h != h_ref).sum().item(),
         "y_differ": (y != y_ref).sum().item(),
-        "y_max_ulps": ulps(y, y_ref).max().item(),
+        "h_max_abs": h_err.max().item(),
     }
-    # A row-sum order flip moves a rare element by one ulp; many would mean a lost rounding.
     allowed = max(1, h.numel() // 100)
     assert stats["h_differ"] <= allowed and stats["y_differ"] <= allowed, stats
     return stats

@@ -1,0 +1,244 @@
+"""Benchmark the sublayer boundary (BEAM.md "Decoder layer") at hidden 5120, bf16.
+
+Side by side in one run, per token count (1, 4, 16, 64, 256, 1024, 4096, 16384): the Triton
+fused op, the unfused eager reference ops, and `torch.compile` (Inductor defaults, static
+shapes) of the same unfused math; the same for the MoE boundary (finalize of k=8 expert
+rows folded in) at 1, 64, 1024, 4096 tokens. Each row: CUDA-graph replay median per
+boundary; the copy-bandwidth floor (bytes read once + written once over the copy bandwidth
+measured in this run); kernel launches per boundary (torch.profiler: device kernels and
+memsets of one eager call); the drift from the contract (h, y: % bitwise equal, max diff).
+Inputs rotate over several sets so that large calls are not served from L2.
+
+    python tools/bench_boundary.py [--out DIR] [--sweep] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+
+import torch
+import triton
+from triton.testing import do_bench_cudagraph
+
+from beamfx.kernels.boundary import reference
+from beamfx.kernels.boundary import triton as tk
+
+HIDDEN, TOP_K = 5120, 8
+TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
+MOE_TOKENS = (1, 64, 1024, 4096)
+SWEEP_TOKENS = (1, 64, 1024, 16384)
+ROTATION_BYTES = 256 << 20
+
+
+def copy_bandwidth() -> float:
+    """Device copy bandwidth in bytes/s (read + write counted): the best of three timings of
+    ten 1 GiB copies, after a warm-up (a single graph-timed copy read low here once)."""
+    a = torch.ones(1 << 28, dtype=torch.float32, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(5):
+        b.copy_(a)
+    best = 0.0
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            b.copy_(a)
+        end.record()
+        end.synchronize()
+        best = max(best, 10 * 2 * a.numel() * 4 / (start.elapsed_time(end) * 1e-3))
+    return best
+
+
+def boundary_bytes(tokens: int, topk: int) -> int:
+    row = HIDDEN * 2
+    x = tokens * max(topk, 1) * row + tokens * topk * 4
+    return x + 3 * tokens * row + 2 * row  # x, r in; h, y out; two norm weights
+
+
+def make_set(tokens: int, topk: int, gen: torch.Generator):
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+
+    x = randn(tokens, topk, HIDDEN) if topk else randn(tokens, HIDDEN)
+    tw = torch.rand(tokens, topk, generator=gen, device="cuda") if topk else None
+    r = randn(tokens, HIDDEN, scale=4.0)
+    w_post, w_next = randn(HIDDEN, scale=0.3) + 1, randn(HIDDEN, scale=0.3) + 1
+    # Layer 10's MLP add: n = 2L + 1 = 21.
+    xs, rs = 1 / math.sqrt(21), math.sqrt(20) / math.sqrt(21)
+    return (x, r, w_post, w_next, 1e-6, 1e-6, xs, rs, None, tw, 2.5)
+
+
+def drift(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """(% of elements bitwise equal, largest absolute difference) against the contract."""
+    equal = 100 * (got == want).float().mean().item()
+    return round(equal, 3), float(f"{(got.float() - want.float()).abs().max().item():.3g}")
+
+
+def time_per_call(fn, sets) -> float:
+    """Microseconds per call: CUDA-graph replay median of one pass over all input sets."""
+
+    def run_all():
+        for s in sets:
+            fn(*s)
+
+    run_all()
+    torch.cuda.synchronize()
+    return do_bench_cudagraph(run_all, rep=20, return_mode="median") * 1e3 / len(sets)
+
+
+def count_launches(fn, args) -> int:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(*args)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(*args)
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+
+
+def variants(compiled) -> dict:
+    return {
+        "triton fused": tk.fused_boundary,
+        "eager unfused": reference.fused_boundary,
+        "torch.compile unfused": compiled,
+    }
+
+
+def sweep_boundary(tokens: int, sets, bw: float, topk: int) -> list[dict]:
+    """Launch shapes of the Triton kernel: warps x programs (persistent grid above SMs)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = [(tokens, False)]
+    if tokens >= 256:
+        shapes = [(p, f) for p in (sms, 2 * sms, 4 * sms, tokens) for f in (True, False)]
+    out = []
+    for warps in (8, 16, 32):
+        for progs, prefetch in shapes:
+
+            def fn(x, r, wp, wn, ep, en, xs, rs, g, tw, scale, w=warps, p=progs, f=prefetch):
+                h, y = torch.empty_like(r), torch.empty_like(r)
+                tk.boundary_into(h, y, x, r, wp, wn, ep, en, xs, rs, tw, scale,
+                                 num_warps=w, programs=p, prefetch=f)  # fmt: skip
+                return h, y
+
+            us = time_per_call(fn, sets)
+            floor = boundary_bytes(tokens, topk) / bw * 1e6
+            out.append(dict(tokens=tokens, topk=topk, warps=warps, programs=progs,
+                            prefetch=prefetch, us=round(us, 2),
+                            pct_floor=round(100 * floor / us, 1)))  # fmt: skip
+    return out
+
+
+def main() -> None:
+    # One static compile per token count and boundary: more than Dynamo's default limit.
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--sweep", action="store_true", help="also sweep the kernel's launch shape")
+    ap.add_argument("--quick", action="store_true", help="token counts 1, 64, 4096 only")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(0)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bw = copy_bandwidth()
+    tokens_list = (1, 64, 4096) if args.quick else TOKENS
+    rows, sweeps = [], []
+    for topk in (0, TOP_K):
+        for tokens in tokens_list if topk == 0 else [t for t in tokens_list if t in MOE_TOKENS]:
+            n_sets = max(1, min(16, math.ceil(ROTATION_BYTES / boundary_bytes(tokens, topk))))
+            sets = [make_set(tokens, topk, gen) for _ in range(n_sets)]
+            want_h, want_y = reference.fused_boundary(*sets[0])
+            floor = boundary_bytes(tokens, topk) / bw * 1e6
+            # One static-shape compile per token count, as the issue's baseline measured.
+            compiled = torch.compile(reference.fused_boundary, dynamic=False)
+            for name, fn in variants(compiled).items():
+                h, y = fn(*sets[0])
+                us = time_per_call(fn, sets)
+                rows.append(
+                    dict(
+                        boundary="moe (finalize k=8)" if topk else "plain",
+                        tokens=tokens,
+                        variant=name,
+                        us=round(us, 2),
+                        floor_us=round(floor, 2),
+                        pct_floor=round(100 * floor / us, 1),
+                        launches=count_launches(fn, sets[0]),
+                        h_equal_pct=drift(h, want_h)[0],
+                        h_max_abs=drift(h, want_h)[1],
+                        y_equal_pct=drift(y, want_y)[0],
+                        y_max_abs=drift(y, want_y)[1],
+                    )
+                )
+                print(rows[-1], flush=True)
+            if args.sweep and topk == 0 and tokens in SWEEP_TOKENS:
+                sweeps += sweep_boundary(tokens, sets, bw, topk)
+            del sets
+            torch.cuda.empty_cache()
+    bw_end = copy_bandwidth()
+    meta = dict(
+        bench="boundary",
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        python=platform.python_version(),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        hidden=HIDDEN,
+        dtype="bf16",
+        copy_bandwidth_GBps=round(bw / 1e9, 1),
+        copy_bandwidth_end_GBps=round(bw_end / 1e9, 1),
+        timing="CUDA-graph replay median (triton.testing.do_bench_cudagraph), per boundary",
+        launches="device kernels + memsets in one eager call (torch.profiler)",
+    )
+    with open(os.path.join(args.out, "boundary.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows, sweep=sweeps), f, indent=1)
+    md = markdown(meta, rows)
+    with open(os.path.join(args.out, "boundary.md"), "w") as f:
+        f.write(md)
+    if sweeps:
+        print("\nsweep (best per token count):")
+        for tokens in SWEEP_TOKENS:
+            best = sorted((s for s in sweeps if s["tokens"] == tokens), key=lambda s: s["us"])
+            print(tokens, best[:3])
+    print()
+    print(md)
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    lines = [
+        f"# Sublayer boundary, hidden {meta['hidden']}, {meta['dtype']}",
+        "",
+        f"{meta['device']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['date']}. "
+        f"Copy bandwidth measured: {meta['copy_bandwidth_GBps']} GB/s. {meta['timing']}; "
+        f"floor = bytes once / copy bandwidth; launches: {meta['launches']}; "
+        "drift: % of outputs bitwise equal to the contract (the eager reference) and the "
+        "largest absolute difference.",
+        "",
+    ]
+    for boundary in dict.fromkeys(r["boundary"] for r in rows):
+        lines += [f"## {boundary}", ""]
+        lines += [
+            "| tokens | variant | us | floor us | % of floor | launches | h equal % | h max diff "
+            "| y equal % | y max diff |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for r in rows:
+            if r["boundary"] == boundary:
+                lines.append(
+                    f"| {r['tokens']} | {r['variant']} | {r['us']} | {r['floor_us']} | "
+                    f"{r['pct_floor']} | {r['launches']} | {r['h_equal_pct']} | {r['h_max_abs']} | "
+                    f"{r['y_equal_pct']} | {r['y_max_abs']} |"
+                )
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""Benchmark the MoE router at Beam-1.0's shape: hidden 5120, 256 experts, fp32 weight.
+
+Side by side in one run, per token count (1, 2, 4, 8, 16, 32, 64, 128, and 256-2048 to
+place the cuBLAS crossover): the Triton router GEMM, the Triton router + grouped top-k
+(fused into the GEMM's last programs, and as a second kernel), cuBLAS fp32
+(`F.linear(x.float(), w)`), cuBLAS with a bf16 weight and fp32 output, `torch.compile` of the
+reference logits, and `torch.compile` of the reference router + routing (top-8 of 8 groups,
+best 4). Each row: CUDA-graph replay median per call over 16 rotating weight copies (84 MB,
+more than the 60 MB L2, as in a model whose layers each read their own router); the
+weight-read floor (5.2 MB once over the copy bandwidth measured in this run); kernel
+launches per call (torch.profiler: device kernels and memsets of one eager call); the
+logits' error against fp64 and the tokens whose experts differ from the reference.
+
+    python tools/bench_router.py [--out DIR] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench_cudagraph
+
+from beamfx.kernels.router import reference
+from beamfx.kernels.router import triton as rt
+
+HIDDEN, EXPERTS = 5120, 256
+TOP_K, N_GROUP, TOPK_GROUP = 8, 8, 4
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+N_WEIGHTS = 16
+SWEEP_TOKENS = (1, 16, 64, 256)
+SWEEP_CONFIGS = [  # block_e, k_chunk, block_k
+    rt.GemmConfig(16, 256, 64, num_warps=4, num_stages=5, max_block_t=16),
+    rt.GemmConfig(16, 512, 64, num_warps=4, num_stages=9, max_block_t=16),
+    rt.GemmConfig(16, 128, 64, num_warps=4, num_stages=3, max_block_t=16),
+    rt.GemmConfig(32, 256, 64, num_warps=4, num_stages=5, max_block_t=64),
+    rt.GemmConfig(16, 256, 64, num_warps=4, num_stages=5, max_block_t=64),
+    rt.GemmConfig(64, 256, 64, num_warps=4, num_stages=5, max_block_t=64),
+    rt.GemmConfig(64, 512, 64, num_warps=4, num_stages=9, max_block_t=64),
+]
+
+
+def copy_bandwidth() -> float:
+    """Device copy bandwidth in bytes/s (read + write counted): the best of three timings of
+    ten 1 GiB copies, after a warm-up (a single graph-timed copy read low here once)."""
+    a = torch.ones(1 << 28, dtype=torch.float32, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(5):
+        b.copy_(a)
+    best = 0.0
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            b.copy_(a)
+        end.record()
+        end.synchronize()
+        best = max(best, 10 * 2 * a.numel() * 4 / (start.elapsed_time(end) * 1e-3))
+    return best
+
+
+def time_per_call(fn, sets) -> float:
+    """Microseconds per call: CUDA-graph replay median of one pass over all input sets."""
+
+    def run_all():
+        for s in sets:
+            fn(*s)
+
+    run_all()
+    torch.cuda.synchronize()
+    return do_bench_cudagraph(run_all, rep=20, return_mode="median") * 1e3 / len(sets)
+
+
+def count_launches(fn, args) -> int:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(*args)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(*args)
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+
+
+def bf16_weight_fp32_out(x, w_bf16):
+    try:
+        return torch.mm(x, w_bf16.t(), out_dtype=torch.float32)
+    except (TypeError, RuntimeError):  # torch without out_dtype: cuBLAS bf16 output, widened
+        return F.linear(x, w_bf16).float()
+
+
+def logits_error(out: torch.Tensor, x, w) -> float:
+    ref = x.double() @ w.double().T
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def routing(x, w, bias, fused):
+    return rt.routed_topk(x, w, bias, TOP_K, N_GROUP, TOPK_GROUP, True, fused=fused)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--sweep", action="store_true", help="also sweep the GEMM tiling")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bw = copy_bandwidth()
+    floor_us = EXPERTS * HIDDEN * 4 / bw * 1e6
+    weights = [
+        torch.randn(EXPERTS, HIDDEN, generator=gen, device="cuda") / HIDDEN**0.5
+        for _ in range(N_WEIGHTS)
+    ]
+    weights_bf16 = [w.to(torch.bfloat16) for w in weights]
+    bias = torch.randn(EXPERTS, generator=gen, device="cuda") * 0.05
+    # Dynamic token count, as vLLM compiles: one graph for all token counts.
+    compiled_logits = torch.compile(reference.router_logits, dynamic=True)
+    compiled_routed = torch.compile(reference.routed_topk, dynamic=True)
+    rows, sweeps = [], []
+    for tokens in TOKENS:
+        xs = [
+            torch.randn(tokens, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
+            for _ in range(N_WEIGHTS)
+        ]
+        sets = [(x, w) for x, w in zip(xs, weights)]
+        sets_bf16 = [(x, w) for x, w in zip(xs, weights_bf16)]
+        x0, w0 = sets[0]
+        _, ref_ids = reference.routed_topk(x0, w0, bias, TOP_K, N_GROUP, TOPK_GROUP, True)
+        variants = {
+            "triton router gemm": (rt.router_gemm, sets),
+            "triton router + routing (fused)": (lambda x, w: routing(x, w, bias, True), sets),
+            "triton router + routing (2 kernels)": (
+                lambda x, w: routing(x, w, bias, False),
+                sets,
+            ),
+            "cuBLAS fp32": (lambda x, w: F.linear(x.float(), w), sets),
+            "cuBLAS bf16 weight, fp32 out": (bf16_weight_fp32_out, sets_bf16),
+            "torch.compile logits": (compiled_logits, sets),
+            "torch.compile router + routing": (
+                lambda x, w: compiled_routed(x, w, bias, TOP_K, N_GROUP, TOPK_GROUP, True),
+                sets,
+            ),
+        }
+        for name, (fn, fn_sets) in variants.items():
+            out = fn(*fn_sets[0])
+            row = dict(tokens=tokens, variant=name)
+            if isinstance(out, tuple):
+                row["ids_differ"] = int(
+                    (out[1].sort(1).values != ref_ids.sort(1).values).any(1).sum()
+                )
+            else:
+                row["logits_rel_err"] = float(f"{logits_error(out, *fn_sets[0]):.2e}")
+            us = time_per_call(fn, fn_sets)
+            row.update(us=round(us, 2), pct_floor=round(100 * floor_us / us, 1))
+            row["launches"] = count_launches(fn, fn_sets[0])
+            rows.append(row)
+            print(row, flush=True)
+        if args.sweep and tokens in SWEEP_TOKENS:
+            for config in SWEEP_CONFIGS:
+                fn = lambda x, w, config=config: rt.router_gemm(x, w, config=config)
+                err = logits_error(fn(x0, w0), x0, w0)
+                us = time_per_call(fn, sets)
+                sweeps.append(dict(tokens=tokens, config=repr(config), us=round(us, 2),
+                                   rel_err=float(f"{err:.2e}")))  # fmt: skip
+            for rows_, warps in ((1, 1), (2, 1), (1, 2)):
+                rt.ROUTE_ROWS, rt.ROUTE_WARPS = rows_, warps
+                for fused in (True, False) if tokens <= 64 else ():
+                    fn = lambda x, w, fused=fused: routing(x, w, bias, fused)
+                    us = time_per_call(fn, sets)
+                    sweeps.append(dict(tokens=tokens, route_rows=rows_, route_warps=warps,
+                                       fused=fused, us=round(us, 2)))  # fmt: skip
+            rt.ROUTE_ROWS, rt.ROUTE_WARPS = 1, 1
+    bw_end = copy_bandwidth()
+    meta = dict(
+        bench="router",
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        python=platform.python_version(),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        shape=f"hidden {HIDDEN} x {EXPERTS} experts, fp32 weight, bf16 activations",
+        routing=f"top-{TOP_K} of {N_GROUP} groups (best {TOPK_GROUP}), renormalized",
+        copy_bandwidth_GBps=round(bw / 1e9, 1),
+        copy_bandwidth_end_GBps=round(bw_end / 1e9, 1),
+        floor_us=round(floor_us, 3),
+        triton_max_tokens=rt.TRITON_MAX_TOKENS,
+        timing=f"CUDA-graph replay median over {N_WEIGHTS} rotating weights, per call",
+        launches="device kernels + memsets in one eager call (torch.profiler)",
+    )
+    with open(os.path.join(args.out, "router.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows, sweep=sweeps), f, indent=1)
+    md = markdown(meta, rows)
+    with open(os.path.join(args.out, "router.md"), "w") as f:
+        f.write(md)
+    if sweeps:
+        print("\nsweep (best per token count):")
+        for tokens in SWEEP_TOKENS:
+            gemm = sorted((s for s in sweeps if s["tokens"] == tokens and "config" in s),
+                          key=lambda s: s["us"])  # fmt: skip
+            route = sorted((s for s in sweeps if s["tokens"] == tokens and "fused" in s),
+                           key=lambda s: s["us"])  # fmt: skip
+            print(tokens, gemm[:2], route[:3])
+    print()
+    print(md)
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    by = {(r["tokens"], r["variant"]): r for r in rows}
+    lines = [
+        f"# Router: {meta['shape']}",
+        "",
+        f"{meta['device']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['date']}. "
+        f"Copy bandwidth measured: {meta['copy_bandwidth_GBps']} GB/s; weight-read floor "
+        f"{meta['floor_us']} us. {meta['timing']}. Routing: {meta['routing']}. Triton GEMM "
+        f"up to {meta['triton_max_tokens']} tokens, cuBLAS above. Cells: us (% of floor) "
+        f"[launches].",
+        "",
+        "| tokens | " + " | ".join(variants) + " |",
+        "| ---: |" + " ---: |" * len(variants),
+    ]
+    for tokens in dict.fromkeys(r["tokens"] for r in rows):
+        cells = []
+        for v in variants:
+            r = by.get((tokens, v))
+            cells.append(f"{r['us']} ({r['pct_floor']}%) [{r['launches']}]" if r else "")
+        lines.append(f"| {tokens} | " + " | ".join(cells) + " |")
+    lines += ["", "Accuracy: logits relative error vs fp64 (norm); tokens whose experts differ "
+              "from the reference.", ""]  # fmt: skip
+    for r in rows:
+        if "logits_rel_err" in r and r["variant"].startswith("triton"):
+            lines.append(f"- {r['tokens']} tokens, {r['variant']}: {r['logits_rel_err']}")
+        if "ids_differ" in r:
+            lines.append(f"- {r['tokens']} tokens, {r['variant']}: {r['ids_differ']} differ")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
