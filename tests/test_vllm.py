@@ -9,6 +9,7 @@ Engines start in subprocesses: vLLM sets process-wide state (dynamo, distributed
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -44,25 +45,25 @@ def _env(tmp_path) -> dict[str, str]:
 
 
 @pytest.mark.parametrize(
-    "custom_ops, expected",
+    "custom_ops, chosen",
     [
         ([], "all"),
         (["none", "+rms_norm"], "all"),  # vLLM's own entries are not beamfx's
         (["+beamfx:all"], "all"),
-        (["+beamfx:boundary"], ["boundary"]),
+        (["+beamfx:boundary"], {"boundary"}),
+        (["+beamfx:boundary", "+beamfx:router_gemm"], {"boundary", "router_gemm"}),
         (["+beamfx:all", "-beamfx:boundary"], "all but boundary"),
         (["-beamfx:boundary"], "all but boundary"),
-        (["-beamfx:all"], []),
+        (["-beamfx:all"], set()),
     ],
 )
-def test_custom_ops_select_passes(integration, custom_ops, expected):
-    from beamfx import passes
+def test_custom_ops_select_passes(integration, custom_ops, chosen):
+    from beamfx.passes import PASSES
 
-    every = list(passes.PASSES)
-    want = {"all": every, "all but boundary": [p for p in every if p != "boundary"]}
-    if isinstance(expected, str):
-        expected = want[expected]
-    assert integration.passes_from_custom_ops(custom_ops) == expected
+    if isinstance(chosen, str):
+        chosen = {"all": set(PASSES), "all but boundary": set(PASSES) - {"boundary"}}[chosen]
+    # Switches, not a sequence: the passes run in their designed order.
+    assert integration.passes_from_custom_ops(custom_ops) == [p for p in PASSES if p in chosen]
 
 
 def test_wrong_pass_name_lists_valid_names(integration):
@@ -113,6 +114,14 @@ def test_plugin_registers_beam_once(integration):
     assert {integration.ARCHITECTURE, integration.ALIAS_ARCHITECTURE} <= set(archs)
     assert type(AutoConfig.for_model("beam")) is BeamConfig
     assert beamfx.vllm_pass is integration.vllm_pass
+    # vLLM's "has no effect" warning about a +beamfx: entry is dropped; others pass.
+    compilation_logger = logging.getLogger("vllm.config.compilation")
+    warning = "Op '%s' %s, %s with '%s' has no effect"
+    ours = ("beamfx:boundary", "doesn't exist", "enabling", "+beamfx:boundary")
+    theirs = ("rms_norm", "not present in model", "enabling", "+rms_norm")
+    for args, shown in ((ours, False), (theirs, True)):
+        record = logging.LogRecord("vllm.config.compilation", 30, __file__, 0, warning, args, None)
+        assert bool(compilation_logger.filter(record)) is shown
 
 
 # --- end to end ---------------------------------------------------------------------------

@@ -12,6 +12,9 @@ which accepts free "+name"/"-name" entries:
                      entry, every pass runs
     "-beamfx:NAME"   leave NAME out ("-beamfx:all": no fusion, only canonicalize and lower)
 
+The chosen passes run in the order `beamfx.passes.PASSES` gives them, whatever the order
+of the entries.
+
 `register` is the `vllm.general_plugins` entry point; vLLM calls it in every process. It
 registers Beam's config and model with vLLM and makes `beamfx.vllm_pass` resolvable.
 """
@@ -62,8 +65,9 @@ def passes_from_custom_ops(custom_ops: Sequence[str]) -> list[str]:
                 f"choose from {valid}"
             )
         (enabled if sign == "+" else disabled).append(name)
-    dropped = set(registry.resolve(disabled))
-    return [p for p in registry.resolve(enabled or ["all"]) if p not in dropped]
+    # A set of switches, as vLLM reads custom_ops; the passes run in their designed order.
+    chosen = set(registry.resolve(enabled or ["all"])) - set(registry.resolve(disabled))
+    return [p for p in registry.PASSES if p in chosen]
 
 
 def compilation_config(passes: Sequence[str] | str = "all", **options: Any) -> dict[str, Any]:
