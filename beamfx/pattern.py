@@ -29,6 +29,7 @@ import itertools
 import operator
 import typing
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -241,15 +242,10 @@ class FusionPass:
             # most ops first (with the all-reduce and finalize before without them).
             variants = [v for rule in self.rules for v in rule.variants]
             for v in sorted(variants, key=lambda v: -_size(v.pattern)):
-                pm.register_replacement(
-                    _positional(v.rule.search, v.names, v.present, v.rule),
-                    _positional(v.rule.replace, v.names, v.present, v.rule),
-                    v.examples,
-                    pm.fwd_only,
-                    matcher,
-                    extra_check=self._checker(v),
-                    search_fn_pattern=v.pattern,
-                )
+                replace = _positional(v.rule.replace, v.names, v.present, v.rule)
+                pm.register_graph_pattern(
+                    v.pattern, extra_check=self._checker(v), pass_dict=matcher
+                )(_replacer(replace, v.names, v.rule.specs))
             self._matcher = matcher
         return self._matcher
 
@@ -312,9 +308,7 @@ class FusionPass:
         """Rewrite every match in `graph`; return the number of matches replaced."""
         self.rejections = []
         matcher = self.matcher()
-        count = matcher.apply(graph)
-        graph.eliminate_dead_code()
-        return count
+        return matcher.apply(graph)  # it removes what the rewrites left dead
 
     def anchors(self) -> set[Any]:
         """The ops `explain` reports on: declared, else the roots of the rules' patterns."""
@@ -367,6 +361,116 @@ class FusionPass:
 
 
 # --- internals ---------------------------------------------------------------------------
+
+
+class Inliner:
+    """Replacement graphs traced once per signature and reused, with scalars substituted.
+
+    Inductor's `replace_by_example` traces the replacement at every match; an 80-layer
+    model has hundreds of matches of a few signatures. Here the replacement is traced
+    once per (tensor metadata, fake mode) with sentinel scalars, and each use copies the
+    graph with the match's scalars put in place of the sentinels.
+    """
+
+    MAX_ENTRIES = 512
+
+    def __init__(self) -> None:
+        # key -> (the fake mode it was traced in, graph); a graph's fake tensors belong to
+        # its mode, so an entry serves only graphs of the same mode (vLLM's pieces share one).
+        self._cache: dict[Any, tuple[Any, torch.fx.GraphModule]] = {}
+
+    def clear(self) -> None:
+        self._cache.clear()
+
+    def replace(self, match: pm.Match, fn: Callable, args: list[Any], specs: dict[str, Any],
+                names: list[str]) -> None:  # fmt: skip
+        from torch._inductor.virtualized import V
+
+        sentinels, values, traced = {}, [], []
+        floats = iter(_FLOAT_SENTINELS)
+        for name, a in zip(names, args):
+            if isinstance(a, torch.fx.Node):
+                traced.append(a.meta["val"])
+                values.append(("t", _meta_key(a.meta["val"])))
+                continue
+            kind = specs.get(name)
+            # Floats and strings only carry values; ints and bools can set shapes (top-k,
+            # group counts), so they are traced as they are and key the cache.
+            s = (
+                next(floats)
+                if kind is float
+                else _STR_SENTINEL.format(name)
+                if kind is str
+                else None
+            )
+            if s is None or isinstance(a, bool) or a is None:
+                traced.append(a)
+                values.append(("c", a))
+            else:
+                sentinels[s] = a
+                traced.append(s)
+                values.append(("s", kind.__name__))
+        mode = V.fake_mode
+        if not isinstance(mode, torch._subclasses.FakeTensorMode):
+            mode = None  # outside Inductor (a graph traced by hand): the inputs' own mode
+        key = (fn, id(mode), tuple(values))
+        owner, gm = self._cache.get(key, (None, None))
+        if gm is None or owner is not mode:
+            with mode or nullcontext():
+                gm = pm.fwd_only(fn, traced)
+            if len(self._cache) >= self.MAX_ENTRIES:
+                self._cache.clear()
+            self._cache[key] = (mode, gm)
+        with _substituted(gm, sentinels) as replacement:
+            match.replace_with_graph(replacement, args)
+
+
+def _meta_key(val: Any) -> Any:
+    if isinstance(val, torch.Tensor):
+        return (str(val.dtype), str(val.device), tuple(map(str, val.shape)),
+                tuple(map(str, val.stride())))  # fmt: skip
+    return repr(val)
+
+
+@contextmanager
+def _substituted(gm: torch.fx.GraphModule, sentinels: dict[Any, Any]):
+    """`gm` with sentinel constants replaced by the match's values, for the block's length.
+
+    The replacement is interpreted node by node, so editing arguments in place (and
+    restoring them) avoids building and recompiling a graph module per match.
+    """
+
+    def sub(a):
+        if isinstance(a, (float, str)) and not isinstance(a, bool) and a in sentinels:
+            return sentinels[a]
+        return a
+
+    saved = []
+    for node in gm.graph.nodes if sentinels else ():
+        args = pm.pytree.tree_map(sub, node.args, is_leaf=_is_node)
+        kwargs = pm.pytree.tree_map(sub, node.kwargs, is_leaf=_is_node)
+        if args != node.args or kwargs != node.kwargs:
+            saved.append((node, node.args, node.kwargs))
+            node.args, node.kwargs = args, kwargs
+    try:
+        yield gm
+    finally:
+        for node, args, kwargs in saved:
+            node.args, node.kwargs = args, kwargs
+
+
+def _is_node(a: Any) -> bool:
+    return isinstance(a, torch.fx.Node)
+
+
+INLINER = Inliner()
+
+
+def _replacer(replace: Callable, names: list[str], specs: dict[str, Any]) -> Callable:
+    def handler(match: pm.Match, *args: Any, **kwargs: Any) -> None:
+        INLINER.replace(match, replace, [kwargs[n] for n in names], specs, names)
+
+    return handler
 
 
 def _annotations(fn: Callable) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import torch
 from torch._inductor import pattern_matcher as pm
 
 from beamfx import ops
+from beamfx.pattern import INLINER
 
 
 class Lower:
@@ -29,11 +30,13 @@ class Lower:
     def _register(self, opdef: ops.OpDef) -> None:
         schema = opdef.op.default._schema
         names = [a.name for a in schema.arguments]
+        kinds = {"float": float, "int": int, "SymInt": int, "str": str, "bool": bool}
+        specs = {a.name: kinds.get(str(a.type)) for a in schema.arguments}
         pattern = pm.CallFunction(opdef.op.default, *[pm.KeywordArg(n) for n in names])
 
         @pm.register_graph_pattern(pattern, pass_dict=self._matcher)
         def lower(match: pm.Match, **kwargs):
-            match.replace_by_example(opdef.reference, [kwargs[n] for n in names])
+            INLINER.replace(match, opdef.reference, [kwargs[n] for n in names], specs, names)
 
     def apply(self, graph: torch.fx.Graph) -> int:
         return self.matcher().apply(graph)
