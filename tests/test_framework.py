@@ -45,7 +45,9 @@ def test_unknown_pass_names_the_valid_ones():
     assert resolve("boundary, all") == ["boundary", *[p for p in PASSES if p != "boundary"]]
 
 
-@given(s=st.floats(-4, 4, allow_nan=False), t=bst.token_counts(), seed=st.integers(0, 999))
+# x * 1.0 is a no-op that Inductor removes before post-grad passes run: nothing to match.
+@given(s=st.floats(-4, 4, allow_nan=False).filter(lambda s: s != 1.0), t=bst.token_counts(),
+       seed=st.integers(0, 999))  # fmt: skip
 def test_a_users_pass_captures_its_scalar(s, t, seed):
     x = bst.randn(t, 32, dtype=torch.float32, seed=seed)
     res = assert_fusion(lambda x: torch.relu(x) * s + 1, (x,), [scaled_relu], matches=1)
