@@ -126,24 +126,32 @@ def plain_agreement(checkpoint: str, prompts: list[list[int]], outputs: list[lis
 
     `gaps[i][j]`: the plain model's best logit minus its logit for vLLM's token j of prompt
     i, fed vLLM's tokens before it (0 where vLLM took the plain model's argmax).
-    `greedy`: the plain model's own greedy tokens.
+    `greedy`: the plain model's own greedy tokens; `greedy_unwindowed`: the same with the
+    sliding window taken away (they differ when the prompts exercise the window).
     """
     import torch
 
     from beamfx.checkpoint import load_checkpoint
 
     model = load_checkpoint(checkpoint).eval()
-    gaps, greedy = [], []
+
+    def greedy(prompt: list[int], n: int) -> list[int]:
+        ids = list(prompt)
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+        return ids[len(prompt) :]
+
+    gaps = []
     with torch.no_grad():
         for prompt, out in zip(prompts, outputs):
             logits = model(torch.tensor([prompt + out]))[0, len(prompt) - 1 : -1]
             chosen = logits.gather(1, torch.tensor(out)[:, None])[:, 0]
             gaps.append([round(g, 4) for g in (logits.max(-1).values - chosen).tolist()])
-            ids = list(prompt)
-            for _ in out:
-                ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-            greedy.append(ids[len(prompt) :])
-    return {"gaps": gaps, "greedy": greedy}
+        windowed = [greedy(p, len(o)) for p, o in zip(prompts, outputs)]
+        for layer in model.model.layers:
+            layer.self_attn.window = None
+        unwindowed = [greedy(p, len(o)) for p, o in zip(prompts, outputs)]
+    return {"gaps": gaps, "greedy": windowed, "greedy_unwindowed": unwindowed}
 
 
 def compare(cfg, on: dict[str, Any], off: dict[str, Any], plain: dict[str, Any]) -> list[str]:
@@ -169,6 +177,8 @@ def compare(cfg, on: dict[str, Any], off: dict[str, Any], plain: dict[str, Any])
         fused = {op for op in g["ops_after"] if op.startswith("beamfx.")} - set(g["ops_before"])
         if fused:
             problems.append(f"the passes-off pipeline created fused ops: {sorted(fused)}")
+    if plain["greedy_unwindowed"] == plain["greedy"]:
+        problems.append("the prompts do not exercise the sliding window: choose another seed")
     worst = max(g for row in plain["gaps"] for g in row)
     if worst > NEAR_TIE_LOGITS:
         problems.append(
@@ -206,6 +216,7 @@ def format_table(cfg, on, off, plain, passes) -> str:
         + (f", the rest within {worst:.3g} logits of it" if exact < total else "")
         + f"; its own greedy tokens {plain['greedy']}"
     )
+    lines.append(f"  (without the sliding window they would be {plain['greedy_unwindowed']})")
     return "\n".join(lines)
 
 
