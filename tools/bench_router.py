@@ -1,15 +1,16 @@
 """Benchmark the MoE router at Beam-1.0's shape: hidden 5120, 256 experts, fp32 weight.
 
 Side by side in one run, per token count (1, 2, 4, 8, 16, 32, 64, 128, and 256-2048 to
-place the cuBLAS crossover): the Triton router GEMM, the Triton router + grouped top-k
-(fused into the GEMM's last programs, and as a second kernel), cuBLAS fp32
-(`F.linear(x.float(), w)`), cuBLAS with a bf16 weight and fp32 output, `torch.compile` of the
-reference logits, and `torch.compile` of the reference router + routing (top-8 of 8 groups,
-best 4). Each row: CUDA-graph replay median per call over 16 rotating weight copies (84 MB,
-more than the 60 MB L2, as in a model whose layers each read their own router); the
-weight-read floor (5.2 MB once over the copy bandwidth measured in this run); kernel
-launches per call (torch.profiler: device kernels and memsets of one eager call); the
-logits' error against fp64 and the tokens whose experts differ from the reference.
+place the cuBLAS crossover): the Triton router GEMM kernel (cuBLAS above 1024 tokens), the
+Triton router + grouped top-k (fused into the GEMM's last programs, and as a second
+kernel), cuBLAS fp32 (`F.linear(x.float(), w)`), cuBLAS with a bf16 weight and fp32 output,
+`torch.compile` of the reference logits, and `torch.compile` of the reference router +
+routing (top-8 of 8 groups, best 4). Each row: CUDA-graph replay median per call over 16
+rotating weight copies (84 MB, more than the 60 MB L2, as in a model whose layers each read
+their own router); the weight-read floor (5.2 MB once over the copy bandwidth measured in
+this run); kernel launches per call (torch.profiler: device kernels and memsets of one
+eager call); the logits' error against fp64 and the tokens whose experts differ from the
+reference.
 
     python tools/bench_router.py [--out DIR] [--sweep]
 """
@@ -101,8 +102,8 @@ def logits_error(out: torch.Tensor, x, w) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-def routing(x, w, bias, fused):
-    return rt.routed_topk(x, w, bias, TOP_K, N_GROUP, TOPK_GROUP, True, fused=fused)
+def routing(x, w, bias, fused, config=None):
+    return rt.routed_topk(x, w, bias, TOP_K, N_GROUP, TOPK_GROUP, True, fused=fused, config=config)
 
 
 def main() -> None:
@@ -133,11 +134,16 @@ def main() -> None:
         sets_bf16 = [(x, w) for x, w in zip(xs, weights_bf16)]
         x0, w0 = sets[0]
         _, ref_ids = reference.routed_topk(x0, w0, bias, TOP_K, N_GROUP, TOPK_GROUP, True)
+        # The kernel itself up to TRITON_MAX_TOKENS (the provider sends 1 token to cuBLAS).
+        kernel = rt._gemm_config(tokens) if tokens <= rt.TRITON_MAX_TOKENS else None
         variants = {
-            "triton router gemm": (rt.router_gemm, sets),
-            "triton router + routing (fused)": (lambda x, w: routing(x, w, bias, True), sets),
+            "triton router gemm": (lambda x, w, k=kernel: rt.router_gemm(x, w, config=k), sets),
+            "triton router + routing (fused)": (
+                lambda x, w, k=kernel: routing(x, w, bias, True, k),
+                sets,
+            ),
             "triton router + routing (2 kernels)": (
-                lambda x, w: routing(x, w, bias, False),
+                lambda x, w, k=kernel: routing(x, w, bias, False, k),
                 sets,
             ),
             "cuBLAS fp32": (lambda x, w: F.linear(x.float(), w), sets),

@@ -30,6 +30,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Token counts up to this run the Triton GEMM; above, cuBLAS (measured crossover on an
 # H200, bench/NOTES.md).
 TRITON_MAX_TOKENS = 1024
+# Below this, cuBLAS as well: at 1 token its GEMV (8.6 us) beat the split-K kernel (10.6 us)
+# on an H200 (bench/results/router.md); from 2 tokens cuBLAS fp32 takes 19-24 us.
+TRITON_MIN_TOKENS = 2
 # Routing in Triton needs power-of-two tiles: experts and group sizes.
 MAX_EXPERTS = 1024
 _MAX_TILES = 2048
@@ -448,13 +451,15 @@ def _launch_route(logits, bias, weights, ids, top_k, n_group, topk_group, renorm
 def router_gemm(
     x: torch.Tensor, weight: torch.Tensor, *, config: GemmConfig | None = None
 ) -> torch.Tensor:
-    """`reference.router_logits`: Triton split-K for few tokens, cuBLAS above the crossover.
+    """`reference.router_logits`: the Triton split-K kernel from TRITON_MIN_TOKENS to
+    TRITON_MAX_TOKENS tokens, cuBLAS outside, chosen per call.
 
-    `config` overrides the tiling (benchmark sweeps only).
+    `config` forces the kernel with that tiling (benchmarks and tests).
     """
     hidden = x.shape[-1]
     n_tokens = x.numel() // hidden if hidden else 0
-    if n_tokens > TRITON_MAX_TOKENS or n_tokens == 0:
+    in_range = TRITON_MIN_TOKENS <= n_tokens <= TRITON_MAX_TOKENS
+    if n_tokens == 0 or not (in_range or config is not None):
         return reference.router_logits(x, weight)
     logits = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32, device=x.device)
     _launch_gemm(x.reshape(n_tokens, hidden).contiguous(), weight.contiguous(), logits, None,
@@ -489,7 +494,8 @@ def routed_topk(
         return weights, ids
     bias = correction_bias.contiguous()
     fused = FUSED_ROUTING if fused is None else fused
-    if n_tokens <= TRITON_MAX_TOKENS and fused:
+    in_range = TRITON_MIN_TOKENS <= n_tokens <= TRITON_MAX_TOKENS
+    if fused and (in_range or config is not None):
         logits = torch.empty((n_tokens, n_experts), dtype=torch.float32, device=x.device)
         route = (bias, weights, ids, top_k, n_group, topk_group, renormalize)
         _launch_gemm(x2d.contiguous(), weight.contiguous(), logits, route, config)

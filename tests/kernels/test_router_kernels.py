@@ -233,6 +233,12 @@ def test_interpreted_routing_with_exact_ties():
 def test_interpreted_entry_points_and_crossover(monkeypatch):
     x, w, bias = make_router(6, 256, 64, torch.float32, "cpu", seed=1)
     check_logits(rt.router_gemm(x, w), x, w)
+    # One token: cuBLAS (the reference) unless a tiling forces the kernel.
+    assert torch.equal(rt.router_gemm(x[:1], w), reference.router_logits(x[:1], w))
+    check_logits(rt.router_gemm(x[:1], w, config=SMALL_CONFIGS[0]), x[:1], w)
+    one = rt.routed_topk(x[:1], w, bias, 8, 8, 4, True)
+    _, ref_ids = reference.routed_topk(x[:1], w, bias, 8, 8, 4, True)
+    check_routing(*one, x[:1].double() @ w.double().T, bias, 8, 8, 4, True, ref_ids)
     # Above the crossover: cuBLAS logits (the reference) and the routing kernel after them.
     monkeypatch.setattr(rt, "TRITON_MAX_TOKENS", 4)
     assert torch.equal(rt.router_gemm(x, w), reference.router_logits(x, w))
