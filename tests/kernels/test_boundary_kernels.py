@@ -184,7 +184,7 @@ needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INT
 
 
 @needs_interpreter
-@settings(max_examples=25, deadline=None)
+@settings(deadline=None)
 @given(
     tokens=st.integers(1, 9),
     hidden=st.sampled_from([16, 48, 64, 200, 512, 1024]),

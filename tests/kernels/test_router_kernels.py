@@ -176,7 +176,7 @@ SMALL_CONFIGS = [
 
 
 @needs_interpreter
-@settings(max_examples=20, deadline=None)
+@settings(deadline=None)
 @given(
     tokens=st.integers(1, 80),
     hidden=st.sampled_from([64, 200, 512]),
@@ -191,7 +191,7 @@ def test_interpreted_gemm_matches_fp64(tokens, hidden, experts, weight_dtype, co
 
 
 @needs_interpreter
-@settings(max_examples=20, deadline=None)
+@settings(deadline=None)
 @given(
     tokens=st.integers(1, 70),
     experts_routing=st.sampled_from(
