@@ -111,7 +111,12 @@ class BeamConfig(PretrainedConfig):
         self.tie_word_embeddings = tie_word_embeddings
         # Ours first: transformers' generic validators give less specific messages.
         self.validate_beam()
+        # transformers (5.17) standardizes any `rope_parameters` it finds during __init__ by
+        # adding a top-level rope_theta, which corrupts a per-layer-type dict; so the dict is
+        # set only once the base class is done (vLLM standardizes it correctly later).
+        rope = self.__dict__.pop("rope_parameters")
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        self.rope_parameters = rope
 
     # --- validation -----------------------------------------------------------------------
 
@@ -213,16 +218,15 @@ class BeamConfig(PretrainedConfig):
     # --- derived facts --------------------------------------------------------------------
 
     @property
-    def rope_theta(self) -> float:
+    def sliding_rope_theta(self) -> float:
+        """RoPE base of the sliding-attention layers (the only layers with RoPE).
+
+        Deliberately not called `rope_theta`: transformers and vLLM read an attribute of
+        that name as a legacy top-level RoPE setting and move it into `rope_parameters`,
+        which breaks the per-layer-type dict.
+        """
         rope = self.rope_parameters
         return float(rope.get("sliding_attention", rope)["rope_theta"])
-
-    @rope_theta.setter
-    def rope_theta(self, value: float) -> None:
-        # Config tooling (vLLM's RoPE patching) writes back the theta it read; rope_parameters
-        # stays the one place that sets it.
-        if float(value) != self.rope_theta:
-            _fail("rope_theta", value, f"set it in rope_parameters (now {self.rope_theta})")
 
     def residual_scales(self, layer_index: int, sublayer: str) -> tuple[float, float]:
         """(x_scale, residual_scale) of a boundary: add number n = 2L (+1 for the MLP)."""

@@ -133,7 +133,7 @@ class BeamAttention(nn.Module):
         super().__init__()
         self.sliding = cfg.layer_types[layer_index] == "sliding_attention"
         self.window = cfg.sliding_window if self.sliding else None
-        self.theta = cfg.rope_theta
+        self.theta = cfg.sliding_rope_theta
         self.eps = cfg.rms_norm_eps
         self.head_dim = d = cfg.head_dim
         self.num_heads = cfg.num_attention_heads // par.world_size
