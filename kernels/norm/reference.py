@@ -2,6 +2,7 @@
 
 import torch
 import torch.nn.functional as F
+
 from beamfx.kernels.precision import widen
 
 
