@@ -409,7 +409,7 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 @command(
     "demo",
-    "the main job: write the tiny checkpoint, run it eagerly and under torch.compile, compare",
+    "the main job: write the tiny checkpoint; eager vs torch.compile; what beamfx's passes fuse",
     _demo_arguments,
 )
 def _demo(args: argparse.Namespace) -> int:
@@ -457,6 +457,13 @@ def _run_demo(args: argparse.Namespace, out: str) -> int:
         print(f"  eager vs torch.compile ({label}): max |diff| {diff:.3g}, ", end="")
         print(f"tolerance {tol:.3g}: {verdict}")
     print("eager and torch.compile agree" if ok else "eager and torch.compile DISAGREE")
+    # What the passes do to the same model: every pass, matches per layer, the check.
+    from beamfx.report import compile_and_report, format_report
+
+    print()
+    report = compile_and_report(model, ids, "all")
+    print(format_report(report, cfg))
+    ok &= report["check"]["agree"]
     return 0 if ok else 1
 
 
