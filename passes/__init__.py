@@ -41,8 +41,10 @@ def resolve(names: str | list[str] | tuple[str, ...]) -> list[str]:
     out: list[str] = []
     for n in names:
         for m in PASSES if n == "all" else [n]:
-            if m not in PASSES:
-                get_pass(m)  # raises with the list of valid names
+            if m not in PASSES:  # stages are not for choosing: they always run
+                raise UnknownPassError(
+                    f"unknown beamfx pass {m!r}: choose from {', '.join(PASSES)} (or 'all')"
+                )
             if m not in out:
                 out.append(m)
     return out
