@@ -185,45 +185,40 @@ class strategies:  # noqa: N801 (a namespace: `bst.token_counts()`)
 
     @staticmethod
     def beam_configs(max_layers: int = 3):
-        """Small, valid Beam configs over layer types, MLP types, heads and routing."""
+        """Small, valid Beam configs over layer and MLP types, heads, widths and routing."""
         from hypothesis import strategies as st
 
-        from beamfx.config import preset
+        from beamfx.config import BeamConfig
 
         @st.composite
         def build(draw):
-            n = draw(st.integers(1, max_layers))
-            kv = draw(st.sampled_from([1, 2]))
-            heads = kv * draw(st.sampled_from([1, 2]))
-            experts, top_k, n_group, topk_group = draw(strategies.routing())
-            return preset(
-                "tiny",
-                num_hidden_layers=n,
-                hidden_size=64,
-                intermediate_size=64,
-                num_attention_heads=heads,
-                num_key_value_heads=kv,
-                head_dim=16,
-                layer_types=draw(
-                    st.lists(
-                        st.sampled_from(["sliding_attention", "full_attention"]),
-                        min_size=n,
-                        max_size=n,
-                    )
-                ),
-                mlp_layer_types=draw(
-                    st.lists(st.sampled_from(["dense", "sparse"]), min_size=n, max_size=n)
-                ),
+            layers = draw(st.integers(1, max_layers))
+            kv_heads = draw(st.sampled_from([1, 2]))
+            experts, top_k, n_group, topk_group = draw(strategies.routing(max_experts=8))
+
+            def per_layer(*kinds):
+                return draw(st.lists(st.sampled_from(kinds), min_size=layers, max_size=layers))
+
+            return BeamConfig(
+                vocab_size=64,
+                hidden_size=draw(st.sampled_from([32, 64, 128])),
+                intermediate_size=draw(st.sampled_from([32, 64])),
+                num_hidden_layers=layers,
+                num_attention_heads=kv_heads * draw(st.sampled_from([1, 2, 4])),
+                num_key_value_heads=kv_heads,
+                head_dim=draw(st.sampled_from([8, 16, 32])),
+                sliding_window=draw(st.integers(1, 8)),
+                layer_types=per_layer("sliding_attention", "full_attention"),
+                mlp_layer_types=per_layer("dense", "sparse"),
                 num_experts=experts,
-                num_experts_per_tok=top_k,
+                num_experts_per_tok=min(top_k, 4),
+                moe_intermediate_size=draw(st.sampled_from([16, 32])),
                 n_group=n_group,
                 topk_group=topk_group,
-                moe_intermediate_size=32,
-                sliding_window=draw(st.integers(1, 8)),
-                routed_scaling_factor=draw(st.sampled_from([1.0, 2.5])),
                 norm_topk_prob=draw(st.booleans()),
+                routed_scaling_factor=draw(st.sampled_from([1.0, 2.5])),
                 final_logit_softcapping=draw(st.sampled_from([None, 30.0])),
-                vocab_size=64,
+                rms_norm_eps=draw(st.sampled_from([1e-6, 1e-5])),
             )
 
         return build()

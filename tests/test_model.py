@@ -28,6 +28,7 @@ from beamfx.cli import (
 )
 from beamfx.config import BeamConfig, preset
 from beamfx.models.beam import BeamForCausalLM, reference_model
+from beamfx.testing import strategies as bst
 
 REFERENCE_RTOL = 0.05
 # Routing is a discrete choice: where two experts (or groups) score within this of each
@@ -188,42 +189,7 @@ def test_demo_command_reports_agreement(tmp_path, capsys):
 # --- random small configs vs the fp64 reference -------------------------------------------
 
 
-@st.composite
-def small_configs(draw) -> BeamConfig:
-    layers = draw(st.integers(1, 3))
-    kv_heads = draw(st.sampled_from([1, 2]))
-    n_group = draw(st.sampled_from([1, 2, 4]))
-    per_group = draw(st.sampled_from([2, 4]))
-    topk_group = draw(st.integers(1, n_group))
-    return BeamConfig(
-        vocab_size=64,
-        hidden_size=draw(st.sampled_from([32, 64, 128])),
-        intermediate_size=draw(st.sampled_from([32, 64])),
-        num_hidden_layers=layers,
-        num_attention_heads=kv_heads * draw(st.sampled_from([1, 2, 4])),
-        num_key_value_heads=kv_heads,
-        head_dim=draw(st.sampled_from([8, 16, 32])),
-        sliding_window=draw(st.integers(1, 8)),
-        layer_types=draw(
-            st.lists(
-                st.sampled_from(["sliding_attention", "full_attention"]),
-                min_size=layers,
-                max_size=layers,
-            )
-        ),
-        mlp_layer_types=draw(
-            st.lists(st.sampled_from(["dense", "sparse"]), min_size=layers, max_size=layers)
-        ),
-        num_experts=n_group * per_group,
-        num_experts_per_tok=draw(st.integers(1, min(topk_group * per_group, 4))),
-        moe_intermediate_size=draw(st.sampled_from([16, 32])),
-        n_group=n_group,
-        topk_group=topk_group,
-        norm_topk_prob=draw(st.booleans()),
-        routed_scaling_factor=draw(st.sampled_from([1.0, 2.5])),
-        final_logit_softcapping=draw(st.sampled_from([None, 30.0])),
-        rms_norm_eps=draw(st.sampled_from([1e-6, 1e-5])),
-    )
+small_configs = bst.beam_configs  # shared with everyone's fusion tests
 
 
 @given(
