@@ -69,11 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from beamfx.config import BeamConfigError
+    from beamfx.passes import UnknownPassError
 
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command].run(args)
-    except (BeamConfigError, FileNotFoundError) as e:
+    except (BeamConfigError, UnknownPassError, FileNotFoundError) as e:
         print(f"beamfx {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,39 @@
+"""`beamfx passes` and `beamfx compile`: the report a user reads, and its errors."""
+
+import json
+
+import pytest
+
+from beamfx.cli import main
+from beamfx.passes import PASSES
+
+
+def test_passes_lists_every_pass_with_a_description(capsys):
+    assert main(["passes"]) == 0
+    out = capsys.readouterr().out
+    for name in PASSES:
+        assert any(line.startswith(name) and len(line.split()) > 3 for line in out.splitlines())
+
+
+@pytest.mark.slow
+def test_compile_reports_json_with_matches_per_pass(capsys):
+    assert main(["compile", "--config", "tiny", "--passes", "all", "--report", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["matches"]["boundary"] == 8  # two per layer, 4 layers
+    assert report["matches"]["router_gemm"] == report["matches"]["mega_moe"] == 2
+    assert report["ops_after"]["beamfx.fused_boundary"] == 8
+    assert report["check"]["agree"]
+
+
+@pytest.mark.slow
+def test_compile_explain_names_the_failed_constraint(capsys):
+    args = ["compile", "--config", "tiny", "--passes", "boundary", "--dtype", "float32"]
+    assert main([*args, "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "[dtype(residual)] residual is float32, the kernel takes bfloat16, float16" in out
+
+
+def test_compile_rejects_a_misspelled_pass_with_the_valid_names(capsys):
+    assert main(["compile", "--passes", "boundry"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown beamfx pass 'boundry'" in err and "boundary" in err
