@@ -10,6 +10,7 @@ Tolerances (logits are fp32; "scale" is the largest |logit|):
   (measured at most 2.4% over 150 configs), on prompts whose routing has no near-tie.
 """
 
+import re
 from collections import Counter
 
 import pytest
@@ -182,8 +183,11 @@ def test_commands_refuse_a_model_too_large_to_hold(capsys):
 def test_demo_command_reports_agreement(tmp_path, capsys):
     assert main(["demo", "--out", str(tmp_path), "--layers", "2"]) == 0
     out = capsys.readouterr().out
-    assert out.count(": agree") == 2
-    assert out.rstrip().endswith("eager and torch.compile agree")
+    assert out.count(": agree") == 3  # two compile modes, then the fused-vs-unfused check
+    assert "eager and torch.compile agree" in out
+    # Then what fused on the 2-layer model: two boundaries per layer.
+    assert re.search(r"^  boundary +4 +2\.00", out, re.M), out
+    assert out.rstrip().endswith(": agree")
 
 
 # --- random small configs vs the fp64 reference -------------------------------------------
