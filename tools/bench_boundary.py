@@ -23,35 +23,16 @@ import platform
 
 import torch
 import triton
-from triton.testing import do_bench_cudagraph
 
 from beamfx.kernels.boundary import reference
 from beamfx.kernels.boundary import triton as tk
+from beamfx.kernels.measure import copy_bandwidth, count_launches, time_per_call
 
 HIDDEN, TOP_K = 5120, 8
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 MOE_TOKENS = (1, 64, 1024, 4096)
 SWEEP_TOKENS = (1, 64, 1024, 16384)
 ROTATION_BYTES = 256 << 20
-
-
-def copy_bandwidth() -> float:
-    """Device copy bandwidth in bytes/s (read + write counted): the best of three timings of
-    ten 1 GiB copies, after a warm-up (a single graph-timed copy read low here once)."""
-    a = torch.ones(1 << 28, dtype=torch.float32, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(5):
-        b.copy_(a)
-    best = 0.0
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            b.copy_(a)
-        end.record()
-        end.synchronize()
-        best = max(best, 10 * 2 * a.numel() * 4 / (start.elapsed_time(end) * 1e-3))
-    return best
 
 
 def boundary_bytes(tokens: int, topk: int) -> int:
@@ -77,30 +58,6 @@ def drift(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     """(% of elements bitwise equal, largest absolute difference) against the contract."""
     equal = 100 * (got == want).float().mean().item()
     return round(equal, 3), float(f"{(got.float() - want.float()).abs().max().item():.3g}")
-
-
-def time_per_call(fn, sets) -> float:
-    """Microseconds per call: CUDA-graph replay median of one pass over all input sets."""
-
-    def run_all():
-        for s in sets:
-            fn(*s)
-
-    run_all()
-    torch.cuda.synchronize()
-    return do_bench_cudagraph(run_all, rep=20, return_mode="median") * 1e3 / len(sets)
-
-
-def count_launches(fn, args) -> int:
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    fn(*args)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn(*args)
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
 
 
 def variants(compiled) -> dict:

@@ -4,6 +4,7 @@ Every rounding sits where the contract puts it; the fused providers must keep th
 """
 
 import torch
+
 from beamfx.kernels.moe.reference import moe_finalize
 from beamfx.kernels.norm.reference import rms_norm
 from beamfx.kernels.precision import widen

@@ -1,6 +1,7 @@
 """Reference math of the router: logits, then routing (one source: kernels.moe.reference)."""
 
 import torch
+
 from beamfx.kernels.moe.reference import grouped_topk, router_logits
 
 __all__ = ["router_logits", "grouped_topk", "routed_topk"]
