@@ -8,6 +8,7 @@ run time by platform and shape (`Provider.supports` says why one cannot run).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,7 +46,10 @@ class OpDef:
 
     def dispatch(self, *args):
         _install_providers()
+        pinned = _PINNED.get(self.name)
         for p in self.providers:
+            if pinned is not None and p.name != pinned:
+                continue
             if p.supports(*args) is None:
                 self.last_provider = p.name
                 return p.fn(*args)
@@ -57,6 +61,23 @@ class OpDef:
 
 
 REGISTRY: dict[str, OpDef] = {}
+_PINNED: dict[str, str] = {}
+
+
+@contextlib.contextmanager
+def pinned_providers(**choice: str):
+    """Run ops only on the named provider (or the reference) inside the block, e.g.
+    `pinned_providers(moe_experts="grouped_mm")` for a library baseline in a benchmark."""
+    for op in choice:
+        if op not in REGISTRY:
+            raise ValueError(f"pinned_providers: no op {op!r}; ops: {', '.join(REGISTRY)}")
+    saved = dict(_PINNED)
+    _PINNED.update(choice)
+    try:
+        yield
+    finally:
+        _PINNED.clear()
+        _PINNED.update(saved)
 
 # Fast providers per op: "module:attribute" naming a `Provider` (or None where the
 # module finds its platform lacking). Imported on first dispatch, so importing beamfx

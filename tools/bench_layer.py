@@ -1,0 +1,285 @@
+"""Whole decoder layer, Beam-1.0-shaped: eager vs torch.compile vs beamfx, side by side.
+
+Layers: sliding-attention + MoE and full-attention + MoE; experts bf16 or NVFP4; TP=1 and
+per-rank TP=8 shapes (one GPU: the per-rank compute of TP=8, without its all-reduce).
+Token counts: decode 1, 8, 32, 128 (that many sequences of one new token; the standalone
+model has no KV cache, so decode attention sees only the token itself) and prefill 2048
+and 8192 (one sequence). Attention is `F.scaled_dot_product_attention` with a boolean mask.
+
+Rows, each timed as a CUDA-graph replay median (wall-clock median on CPU):
+- eager: the plain model as written; Beam IR ops run their references, experts on
+  `torch._grouped_mm` (bf16) or the NVFP4 Triton kernel (NVFP4 has no library path);
+- torch.compile: the plain model under Inductor's defaults, no beamfx fusion (Beam IR is
+  lowered back to torch code; experts as in eager);
+- beamfx: `beamfx.compile(passes="all")`, every fused op on its fast provider.
+Each with kernel launches per layer (torch.profiler) and the weight-read floor.
+
+    python tools/bench_layer.py [--config beam-1.0-shaped] [--quick] [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import time
+
+import torch
+
+import beamfx
+from beamfx import ops
+from beamfx.config import BeamConfig, load_config
+from beamfx.models.beam import BeamDecoderLayer, Parallel
+
+DECODE = (1, 8, 32, 128)
+PREFILL = (2048, 8192)
+NVFP4_CONFIG = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
+
+
+class LayerStep(torch.nn.Module):
+    """One decoder layer as the model runs it: (residual, normalized input) -> the same."""
+
+    def __init__(self, layer: BeamDecoderLayer, hidden: int):
+        super().__init__()
+        self.layer = layer
+        self.next_norm = torch.nn.Parameter(torch.ones(hidden), requires_grad=False)
+
+    def forward(self, h, x, positions):
+        return self.layer(h, x, positions, self.next_norm)
+
+
+def build(cfg: BeamConfig, kind: str, world: int, device: str) -> LayerStep:
+    index = next(
+        i for i, (a, m) in enumerate(zip(cfg.layer_types, cfg.mlp_layer_types))
+        if a == kind and m == "sparse"
+    )  # fmt: skip
+    with torch.device(device):
+        layer = BeamDecoderLayer(cfg, index, Parallel(0, world), torch.bfloat16)
+        layer.par = Parallel()  # per-rank shapes, no collective on one GPU
+        step = LayerStep(layer, cfg.hidden_size).to(torch.bfloat16)
+    g = torch.Generator(device).manual_seed(0)
+    for name, p in step.named_parameters():
+        if p.dtype == torch.uint8:
+            continue
+        scale = 0.1 if "norm" in name else p.shape[-1] ** -0.5
+        base = 1.0 if "norm" in name else 0.0
+        p.data.copy_(base + scale * torch.randn(p.shape, generator=g, device=device))
+    step.layer.mlp.gate.weight.data = step.layer.mlp.gate.weight.data.float()
+    experts = step.layer.mlp.experts
+    if hasattr(experts, "w13_scale"):  # NVFP4: quantize random dense weights
+        from beamfx.kernels.moe.nvfp4 import quantize_experts
+
+        e, h = cfg.num_experts, cfg.hidden_size
+        inter = experts.w2.shape[2] * 2
+        w13 = torch.randn(e, 2 * inter, h, generator=g, device=device) * h**-0.5
+        w2 = torch.randn(e, h, inter, generator=g, device=device) * inter**-0.5
+        q = quantize_experts(w13.to(torch.bfloat16), w2.to(torch.bfloat16))
+        for n in ("w13", "w13_scale", "w13_global", "w2", "w2_scale", "w2_global"):
+            getattr(experts, n).data = getattr(q, n)
+    return step.eval()
+
+
+def inputs(cfg: BeamConfig, tokens: int, prefill: bool, device: str):
+    g = torch.Generator(device).manual_seed(tokens)
+    batch, seq = (1, tokens) if prefill else (tokens, 1)
+    h = torch.randn(batch * seq, cfg.hidden_size, generator=g, device=device) * 4
+    x = torch.randn(batch * seq, cfg.hidden_size, generator=g, device=device)
+    positions = torch.arange(seq, device=device).expand(batch, seq) + (0 if prefill else 4096)
+    return h.to(torch.bfloat16), x.to(torch.bfloat16), positions.contiguous()
+
+
+def time_us(fn, args, device: str) -> tuple[float, str]:
+    if device == "cuda":
+        from triton.testing import do_bench, do_bench_cudagraph
+
+        with torch.no_grad():
+            fn(*args)
+            torch.cuda.synchronize()
+            try:
+                return do_bench_cudagraph(lambda: fn(*args), rep=50) * 1e3, "cuda graph"
+            except Exception as e:  # a variant that cannot be captured: say so
+                return do_bench(lambda: fn(*args), rep=50) * 1e3, f"no graph ({type(e).__name__})"
+    with torch.no_grad():
+        fn(*args)
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            fn(*args)
+            times.append(time.perf_counter() - start)
+    return sorted(times)[2] * 1e6, "wall clock"
+
+
+def launches(fn, args, device: str) -> int | None:
+    if device != "cuda":
+        return None
+    from beamfx.kernels.measure import count_launches
+
+    with torch.no_grad():
+        return count_launches(fn, args)
+
+
+def weight_bytes(step: LayerStep, experts_touched: int) -> int:
+    """Bytes a layer must read: every weight, except the experts nobody routed to."""
+    total, experts = 0, step.layer.mlp.experts
+    per_expert = 0
+    for name, t in [*step.named_parameters(), *step.named_buffers()]:
+        if t.ndim == 3 and name.startswith("layer.mlp.experts"):
+            per_expert += t[0].numel() * t.element_size()
+        else:
+            total += t.numel() * t.element_size()
+    del experts
+    return total + experts_touched * per_expert
+
+
+def experts_touched(step: LayerStep, x: torch.Tensor) -> int:
+    moe = step.layer.mlp
+    with torch.no_grad():
+        logits = ops.router_logits(x, moe.gate.weight)
+        _, ids = ops.grouped_topk(logits, moe.gate.e_score_correction_bias, moe.top_k,
+                                  moe.n_group, moe.topk_group, moe.renormalize)  # fmt: skip
+    return int(ids.unique().numel())
+
+
+def variants(step: LayerStep, nvfp4: bool):
+    # The baselines run the MoE experts on the library's grouped GEMM (bf16); NVFP4 has no
+    # library path, so its experts run beamfx's W4A16 kernel in every row.
+    pin = {} if nvfp4 else {"moe_experts": "grouped_mm"}
+    return {
+        "eager": (step, pin),
+        "torch.compile": (
+            beamfx.compile(step, (), options={"emulate_precision_casts": False}),
+            pin,
+        ),
+        "beamfx": (beamfx.compile(step, "all"), {}),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="beam-1.0-shaped")
+    ap.add_argument("--quick", action="store_true", help="decode 1, 32 and prefill 2048 only")
+    ap.add_argument("--tokens", type=int, nargs="*", help="decode token counts")
+    ap.add_argument("--prefill", type=int, nargs="*", help="prefill lengths")
+    ap.add_argument("--experts", nargs="*", default=["bf16", "nvfp4"])
+    ap.add_argument("--tp", type=int, nargs="*", default=[1, 8])
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    decode = args.tokens if args.tokens is not None else ((1, 32) if args.quick else DECODE)
+    prefill = args.prefill if args.prefill is not None else ((2048,) if args.quick else PREFILL)
+    bw = None
+    if device == "cuda":
+        from beamfx.kernels.measure import copy_bandwidth
+
+        bw = copy_bandwidth()
+
+    rows = []
+    for experts in args.experts:
+        extra = {"quantization_config": NVFP4_CONFIG} if experts == "nvfp4" else {}
+        cfg = load_config(args.config, 4)
+        cfg = BeamConfig(**{**cfg.to_dict(), **extra})
+        for world in args.tp:
+            for kind in ("sliding_attention", "full_attention"):
+                step = build(cfg, kind, world, device)
+                runs = variants(step, experts == "nvfp4")
+                for tokens, is_prefill in [(t, False) for t in decode] + [
+                    (t, True) for t in prefill
+                ]:
+                    args_ = inputs(cfg, tokens, is_prefill, device)
+                    touched = experts_touched(step, args_[1])
+                    floor = weight_bytes(step, touched) / bw * 1e6 if bw else None
+                    row = {"experts": experts, "tp": world, "layer": kind, "tokens": tokens,
+                           "phase": "prefill" if is_prefill else "decode",
+                           "experts_touched": touched,
+                           "floor_us": round(floor, 2) if floor else None}  # fmt: skip
+                    for name, (fn, pin) in runs.items():
+                        with ops.pinned_providers(**pin) if pin else contextlib.nullcontext():
+                            us, how = time_us(fn, args_, device)
+                            row[name] = {"us": round(us, 2), "timing": how,
+                                         "launches": launches(fn, args_, device)}  # fmt: skip
+                    row["beamfx_vs_compile"] = round(
+                        row["torch.compile"]["us"] / row["beamfx"]["us"], 3
+                    )
+                    print(json.dumps(row))
+                    rows.append(row)
+                del step, runs
+                torch.compiler.reset()
+
+    meta = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.machine(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "config": args.config,
+        "copy_GBps": round(bw / 1e9, 1) if bw else None,
+        "attention": "F.scaled_dot_product_attention, boolean mask; decode without a KV cache",
+    }  # fmt: skip
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"layer_{device}")
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    text = markdown(meta, rows)
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    plot(rows, stem)
+    print(text)
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return None
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    lines = [
+        f"# Decoder layer ({meta['config']}): eager, torch.compile, beamfx",
+        "",
+        f"{meta['date']}, {meta['device']}, torch {meta['torch']}, Triton {meta['triton']}; "
+        f"copy bandwidth {meta['copy_GBps']} GB/s. Attention: {meta['attention']}. "
+        "us per layer (launches); floor = weights read once at copy bandwidth.",
+        "",
+        "| experts | TP | layer | phase | tokens | eager | torch.compile | beamfx | "
+        "beamfx vs compile | floor us |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        cell = [f"{r[v]['us']} ({r[v]['launches']})" for v in ("eager", "torch.compile", "beamfx")]
+        lines.append(
+            f"| {r['experts']} | {r['tp']} | {r['layer']} | {r['phase']} | {r['tokens']} | "
+            f"{' | '.join(cell)} | {r['beamfx_vs_compile']}x | {r['floor_us']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], stem: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return
+    groups = sorted({(r["experts"], r["tp"], r["layer"]) for r in rows})
+    fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.5), squeeze=False)
+    for ax, (experts, tp, layer) in zip(axes[0], groups):
+        sel = [r for r in rows if (r["experts"], r["tp"], r["layer"]) == (experts, tp, layer)]
+        tokens = [r["tokens"] for r in sel]
+        for v in ("eager", "torch.compile", "beamfx"):
+            ax.plot(tokens, [r[v]["us"] for r in sel], marker="o", label=v)
+        if sel[0]["floor_us"]:
+            ax.plot(tokens, [r["floor_us"] for r in sel], "k--", label="weight-read floor")
+        ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="us per layer",
+               title=f"{experts}, TP{tp}, {layer.split('_')[0]}")  # fmt: skip
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(stem + ".png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()
