@@ -79,6 +79,7 @@ def pinned_providers(**choice: str):
         _PINNED.clear()
         _PINNED.update(saved)
 
+
 # Fast providers per op: "module:attribute" naming a `Provider` (or None where the
 # module finds its platform lacking). Imported on first dispatch, so importing beamfx
 # stays cheap and CPU-only machines never import GPU libraries.
