@@ -52,13 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def expected_matches(cfg) -> dict[str, int]:
     """Matches per compiled whole-model graph: two boundaries and one gate per layer, one
-    router per sparse layer. (vLLM's CPU build compiles Beam as one graph.)"""
+    router and one MegaMoE per sparse layer. (vLLM's CPU build compiles Beam as one graph.)"""
     layers = cfg.num_hidden_layers
-    return {
-        "boundary": 2 * layers,
-        "attn_gate": layers,
-        "router_gemm": cfg.mlp_layer_types.count("sparse"),
-    }
+    sparse = cfg.mlp_layer_types.count("sparse")
+    return {"boundary": 2 * layers, "attn_gate": layers, "router_gemm": sparse, "mega_moe": sparse}
 
 
 def prompts_for(cfg, seed: int) -> list[list[int]]:
