@@ -9,8 +9,8 @@
             x = ir.all_reduce(x, group_name)
         ...
 
-The engine is Inductor's pattern matcher (`register_replacement` + `fwd_only` +
-`PatternMatcherPass`); this module only feeds it:
+The engine is Inductor's pattern matcher (`fwd_only`, `fx_to_pattern`,
+`register_graph_pattern`, `PatternMatcherPass`, `replace_with_graph`); this module feeds it:
 - tensor parameters are annotated with their example shape (`Act[T, H]` takes each
   activation dtype of the rule, `F32[...]`/`I32[...]` are fixed) and traced per dtype;
 - scalar parameters (`float`, `int`, `bool`, `str`) are wildcards: traced with a sentinel
@@ -172,7 +172,6 @@ class _Variant:
     rule: Rule
     present: tuple[str, ...]  # the optional parameters this variant has
     names: list[str]  # its parameters, in order
-    examples: list[Any]
     pattern: pm.PatternExpr
     act_dtypes: set[torch.dtype] = field(default_factory=set)  # traced to this same pattern
 
@@ -575,7 +574,7 @@ def _trace_one(rule: Rule, present: tuple[str, ...], act: torch.dtype) -> _Varia
     pattern = pm.fx_to_pattern(gm, ignore_types=(), argnames=names, scalar_workaround=numeric)
     bools = {n for n, v in sentinels.items() if n in names and v is True}
     _generalize(pattern, strings, bools)
-    return _Variant(rule, present, names, examples, pattern)
+    return _Variant(rule, present, names, pattern)
 
 
 def _trace(fn: Callable, examples: list[Any]) -> torch.fx.GraphModule:
