@@ -28,7 +28,15 @@ import torch
 from beamfx.pipeline import PassManager
 from beamfx.pipeline import op_counts as op_counts  # re-exported for tests
 
-__all__ = ["assert_fusion", "FusionResult", "strategies", "compile_with", "op_counts"]
+__all__ = [
+    "assert_fusion",
+    "FusionResult",
+    "strategies",
+    "compile_with",
+    "op_counts",
+    "ulps",
+    "ulp_at",
+]
 
 
 @dataclass
@@ -115,6 +123,29 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     if not t.is_floating_point():
         return t
     return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in units in the last place between same-dtype float tensors (int64)."""
+    if a.dtype != b.dtype:
+        raise TypeError(f"ulps: dtypes differ ({a.dtype} vs {b.dtype}); compare like with like")
+    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+    low = {torch.int16: -(1 << 15), torch.int32: -(1 << 31)}[bits[a.dtype]]
+
+    def ordered(t):
+        i = t.contiguous().view(bits[t.dtype]).long()
+        return torch.where(i < 0, low - i, i)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+def ulp_at(magnitude: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One unit in the last place of 16-bit `dtype` at each |value| (fp32 result). Hold a
+    rounded sum to ulps at its addends' scale: where addends cancel, ulps of the sum mean
+    nothing (one flipped rounding of an addend moves the sum by the addend's ulp)."""
+    mantissa_bits = {torch.bfloat16: 7, torch.float16: 10}[dtype]
+    tiny = torch.finfo(dtype).tiny
+    return torch.exp2(torch.floor(torch.log2(magnitude.float().clamp_min(tiny))) - mantissa_bits)
 
 
 # --- hypothesis strategies ---------------------------------------------------------------

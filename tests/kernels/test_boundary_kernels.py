@@ -21,22 +21,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from beamfx import ops
 from beamfx.kernels.boundary import reference
 from beamfx.kernels.norm.reference import rms_norm
+from beamfx.testing import ulp_at, ulps
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 triton_kernels = pytest.importorskip("beamfx.kernels.boundary.triton")
-
-
-def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Distance in units in the last place between same-dtype float tensors (as int64)."""
-    assert a.dtype == b.dtype
-    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
-    low = {torch.int16: -(1 << 15), torch.int32: -(1 << 31)}[bits[a.dtype]]
-
-    def ordered(t):
-        i = t.contiguous().view(bits[t.dtype]).long()
-        return torch.where(i < 0, low - i, i)
-
-    return (ordered(a) - ordered(b)).abs()
 
 
 def make_inputs(tokens, hidden, topk, dtype, device, seed, scales=(0.3, 0.9), routed=2.5):
@@ -51,13 +39,6 @@ def make_inputs(tokens, hidden, topk, dtype, device, seed, scales=(0.3, 0.9), ro
     w_post, w_next = randn(hidden, scale=0.5) + 1, randn(hidden, scale=0.5) + 1
     xs, rs = scales
     return (x, residual, w_post, w_next, 1e-6, 1e-5, xs, rs, None, topk_weights, routed)
-
-
-def ulp_at(magnitude: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """One unit in the last place of `dtype` at each |value| (fp32 result)."""
-    mantissa_bits = {torch.bfloat16: 7, torch.float16: 10}[dtype]
-    tiny = torch.finfo(dtype).tiny
-    return torch.exp2(torch.floor(torch.log2(magnitude.float().clamp_min(tiny))) - mantissa_bits)
 
 
 def check_against_reference(args, h, y) -> dict:

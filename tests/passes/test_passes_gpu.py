@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from beamfx import ops as ir
+from beamfx.kernels.norm.reference import rms_norm
 from beamfx.kernels.router.reference import routed_topk
-from beamfx.testing import assert_fusion
+from beamfx.testing import assert_fusion, ulp_at, ulps
 from beamfx.testing import strategies as bst
 
 pytestmark = pytest.mark.gpu
-ULP = (1e-3, 2**-7)  # one bf16 ulp (relative), for kernels that sum in another order
 
 
 def cuda(t):
@@ -25,8 +25,17 @@ def test_boundary_on_cuda_runs_the_triton_kernel(t):
         h = ir.scaled_residual_add(ir.rms_norm(x, w1, 1e-6), r, 0.5, 0.8)
         return h, ir.rms_norm(h, w2, 1e-6)
 
-    assert_fusion(sandwich, (x, r), "boundary", matches=1, tolerance=ULP)
+    # The kernel sums a row in another order than torch: a rare rounding of the post-norm
+    # flips, and h = round(t + u) inherits it at the addends' scale. Hold h to 2 ulps there
+    # and y to 1 ulp of the next norm of this h; nearly every element bitwise equal.
+    res = assert_fusion(sandwich, (x, r), "boundary", matches=1, tolerance=(0.1, 0.0))
     assert ir.FUSED_BOUNDARY.last_provider == "triton"
+    (h, y), (h_ref, y_ref) = res.output, res.expected
+    scale = h_ref.float().abs() + (r.float() * 0.8).to(torch.bfloat16).float().abs()
+    assert ((h.float() - h_ref.float()).abs() <= 2 * ulp_at(scale, h.dtype)).all()
+    assert ulps(y, rms_norm(h, w2, 1e-6)).max() <= 1
+    assert (h != h_ref).sum() <= h.numel() // 10_000 + 1
+    assert (y != y_ref).sum() <= y.numel() // 10_000 + 1
 
 
 @pytest.mark.parametrize("t", [1, 16, 64, 512])
