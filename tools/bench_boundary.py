@@ -69,25 +69,27 @@ def variants(compiled) -> dict:
 
 
 def sweep_boundary(tokens: int, sets, bw: float, topk: int) -> list[dict]:
-    """Launch shapes of the Triton kernel: warps x programs (persistent grid above SMs)."""
+    """Launch shapes of the Triton kernel: warps x programs (persistent grid above SMs) x
+    row tiles (4096 + 1024, or one padded 8192 tile)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = [(tokens, False)]
     if tokens >= 256:
         shapes = [(p, f) for p in (sms, 2 * sms, 4 * sms, tokens) for f in (True, False)]
     out = []
-    for warps in (8, 16, 32):
+    for warps, split in [(w, s) for w in (4, 8, 16, 32) for s in (True, False)]:
         for progs, prefetch in shapes:
 
-            def fn(x, r, wp, wn, ep, en, xs, rs, g, tw, scale, w=warps, p=progs, f=prefetch):
+            def fn(x, r, wp, wn, ep, en, xs, rs, g, tw, scale, w=warps, p=progs, f=prefetch,
+                   s=split):  # fmt: skip
                 h, y = torch.empty_like(r), torch.empty_like(r)
                 tk.boundary_into(h, y, x, r, wp, wn, ep, en, xs, rs, tw, scale,
-                                 num_warps=w, programs=p, prefetch=f)  # fmt: skip
+                                 num_warps=w, programs=p, prefetch=f, split=s)  # fmt: skip
                 return h, y
 
             us = time_per_call(fn, sets)
             floor = boundary_bytes(tokens, topk) / bw * 1e6
             out.append(dict(tokens=tokens, topk=topk, warps=warps, programs=progs,
-                            prefetch=prefetch, us=round(us, 2),
+                            prefetch=prefetch, split=split, us=round(us, 2),
                             pct_floor=round(100 * floor / us, 1)))  # fmt: skip
     return out
 

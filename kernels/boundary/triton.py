@@ -27,6 +27,10 @@ except ImportError:  # no Triton on this platform: the reference serves
 MAX_HIDDEN = 16384
 # Most expert rows per token that the finalize unrolls.
 MAX_TOPK = 16
+# On the many-row path, hold a row that is not a power of two as two exact tiles (4096 +
+# 1024 at hidden 5120) rather than one padded tile: fewer registers per row, so two
+# programs fit an SM (bench/NOTES.md).
+SPLIT_ROWS = True
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TL_DTYPES = {}
 
@@ -52,42 +56,71 @@ if triton is not None:
             return v.to(OUT_DTYPE).to(tl.float32)
 
     @triton.jit
-    def _rms_scale(v, w, inv_hidden, eps):
-        """`v * rsqrt(mean(v^2) + eps) * w` in fp32 (masked lanes hold zeros); the mean is a
-        multiply by fp32(1/H), as torch's CUDA mean does."""
-        mean = tl.sum(v * v, axis=0) * inv_hidden
-        return v * tl.math.rsqrt(mean + eps) * w
+    def _load_row(ptr, base, cols_a, cols_b, hidden, HAS_B: tl.constexpr, POLICY: tl.constexpr):
+        """A row as two register tiles: cols_a (a power of two) and cols_b (the rest, when
+        HAS_B), so hidden 5120 is held as 4096 + 1024 rather than padded to 8192."""
+        a = tl.load(ptr + base + cols_a, mask=cols_a < hidden, other=0.0, eviction_policy=POLICY)
+        b = a
+        if HAS_B:
+            b = tl.load(
+                ptr + base + cols_b, mask=cols_b < hidden, other=0.0, eviction_policy=POLICY
+            )
+        return a, b
+
+    @triton.jit
+    def _store_row(ptr, base, cols_a, cols_b, hidden, a, b, HAS_B: tl.constexpr):
+        tl.store(ptr + base + cols_a, a, mask=cols_a < hidden)
+        if HAS_B:
+            tl.store(ptr + base + cols_b, b, mask=cols_b < hidden)
+
+    @triton.jit
+    def _rms_scale(a, b, wa, wb, inv_hidden, eps, HAS_B: tl.constexpr):
+        """`v * rsqrt(mean(v^2) + eps) * w` in fp32 over both tiles (masked lanes hold
+        zeros); the mean is a multiply by fp32(1/H), as torch's CUDA mean does."""
+        total = tl.sum(a * a, axis=0)
+        if HAS_B:
+            total += tl.sum(b * b, axis=0)
+        inv = tl.math.rsqrt(total * inv_hidden + eps)
+        return a * inv * wa, b * inv * wb
 
     @triton.jit
     def _finish_row(
-        x,
-        r,
-        row64,
+        xa,
+        xb,
+        ra,
+        rb,
+        base,
         h_ptr,
         y_ptr,
-        cols,
-        mask,
+        cols_a,
+        cols_b,
         hidden,
-        w_post,
-        w_next,
+        wpa,
+        wpb,
+        wna,
+        wnb,
         inv_hidden,
         eps_post,
         eps_next,
         x_scale,
         residual_scale,
         HAS_NEXT: tl.constexpr,
+        HAS_B: tl.constexpr,
         OUT_DTYPE: tl.constexpr,
     ):
         """From the reduced row (fp32 values of OUT_DTYPE) and the residual row: the
         contract's roundings in its order (BEAM.md, "Decoder layer"), then the stores."""
-        t = _round(_rms_scale(x, w_post.to(tl.float32), inv_hidden, eps_post), OUT_DTYPE)
-        t = _round(t * x_scale, OUT_DTYPE)
-        u = _round(r.to(tl.float32) * residual_scale, OUT_DTYPE)
-        h = _round(t + u, OUT_DTYPE)
-        tl.store(h_ptr + row64 * hidden + cols, h.to(OUT_DTYPE), mask=mask)
+        ta, tb = _rms_scale(xa, xb, wpa, wpb, inv_hidden, eps_post, HAS_B)
+        ta = _round(_round(ta, OUT_DTYPE) * x_scale, OUT_DTYPE)
+        tb = _round(_round(tb, OUT_DTYPE) * x_scale, OUT_DTYPE)
+        ha = _round(ta + _round(ra.to(tl.float32) * residual_scale, OUT_DTYPE), OUT_DTYPE)
+        hb = _round(tb + _round(rb.to(tl.float32) * residual_scale, OUT_DTYPE), OUT_DTYPE)
+        _store_row(h_ptr, base, cols_a, cols_b, hidden, ha.to(OUT_DTYPE), hb.to(OUT_DTYPE), HAS_B)
         if HAS_NEXT:
-            y = _round(_rms_scale(h, w_next.to(tl.float32), inv_hidden, eps_next), OUT_DTYPE)
-            tl.store(y_ptr + row64 * hidden + cols, y.to(OUT_DTYPE), mask=mask)
+            ya, yb = _rms_scale(ha, hb, wna, wnb, inv_hidden, eps_next, HAS_B)
+            ya = _round(ya, OUT_DTYPE).to(OUT_DTYPE)
+            yb = _round(yb, OUT_DTYPE).to(OUT_DTYPE)
+            _store_row(y_ptr, base, cols_a, cols_b, hidden, ya, yb, HAS_B)
 
     @triton.jit(do_not_specialize=["n_rows"])
     def _boundary_kernel(
@@ -109,72 +142,84 @@ if triton is not None:
         TOPK: tl.constexpr,
         HAS_NEXT: tl.constexpr,
         OUT_DTYPE: tl.constexpr,
-        BLOCK_H: tl.constexpr,
+        BLOCK_A: tl.constexpr,
+        BLOCK_B: tl.constexpr,
         PREFETCH: tl.constexpr,
     ):
         # Each program walks rows pid, pid + grid, ...; the norm weights stay in registers.
+        # A row is a BLOCK_A tile plus (BLOCK_B > 0) a BLOCK_B tile after it.
+        HAS_B: tl.constexpr = BLOCK_B > 0
         pid = tl.program_id(0)
         step = tl.num_programs(0)
-        cols = tl.arange(0, BLOCK_H)
-        mask = cols < hidden
+        cols_a = tl.arange(0, BLOCK_A)
+        cols_b = BLOCK_A + tl.arange(0, BLOCK_B if HAS_B else 1)
         # Streamed rows are read once (evict_first); the norm weights stay in L2 (evict_last).
-        w_post = tl.load(w_post_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last")
-        w_next = w_post
+        wpa, wpb = _load_row(w_post_ptr, 0, cols_a, cols_b, hidden, HAS_B, "evict_last")
+        wpa, wpb = wpa.to(tl.float32), wpb.to(tl.float32)
+        wna, wnb = wpa, wpb
         if HAS_NEXT:
-            w_next = tl.load(w_next_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last")
+            wna, wnb = _load_row(w_next_ptr, 0, cols_a, cols_b, hidden, HAS_B, "evict_last")
+            wna, wnb = wna.to(tl.float32), wnb.to(tl.float32)
         if TOPK == 0 and PREFETCH:
             # Software pipelining by hand: the next row's loads fly while this row computes.
-            first = tl.cast(pid, tl.int64) * hidden + cols  # the grid has at most n_rows
-            x_next = tl.load(x_ptr + first, mask=mask, other=0.0, eviction_policy="evict_first")
-            r_next = tl.load(r_ptr + first, mask=mask, other=0.0, eviction_policy="evict_first")
+            first = tl.cast(pid, tl.int64) * hidden  # the grid has at most n_rows programs
+            xa_next, xb_next = _load_row(x_ptr, first, cols_a, cols_b, hidden, HAS_B, "evict_first")
+            ra_next, rb_next = _load_row(r_ptr, first, cols_a, cols_b, hidden, HAS_B, "evict_first")
             for row in tl.range(pid, n_rows, step):
-                row64 = tl.cast(row, tl.int64)
-                x = x_next
-                r = r_next
-                ahead = (row64 + step) * hidden + cols
-                ok = cols < tl.where(row64 + step < n_rows, hidden, 0)
-                x_next = tl.load(x_ptr + ahead, mask=ok, other=0.0, eviction_policy="evict_first")
-                r_next = tl.load(r_ptr + ahead, mask=ok, other=0.0, eviction_policy="evict_first")
+                base = tl.cast(row, tl.int64) * hidden
+                xa, xb, ra, rb = xa_next, xb_next, ra_next, rb_next
+                ahead = base + step * hidden
+                width = tl.where(row + step < n_rows, hidden, 0)
+                xa_next, xb_next = _load_row(
+                    x_ptr, ahead, cols_a, cols_b, width, HAS_B, "evict_first"
+                )
+                ra_next, rb_next = _load_row(
+                    r_ptr, ahead, cols_a, cols_b, width, HAS_B, "evict_first"
+                )
                 _finish_row(
-                    x.to(tl.float32), r, row64, h_ptr, y_ptr, cols, mask, hidden, w_post,
-                    w_next, inv_hidden, eps_post, eps_next, x_scale, residual_scale, HAS_NEXT,
-                    OUT_DTYPE,
+                    xa.to(tl.float32), xb.to(tl.float32), ra, rb, base, h_ptr, y_ptr, cols_a,
+                    cols_b, hidden, wpa, wpb, wna, wnb, inv_hidden, eps_post, eps_next, x_scale,
+                    residual_scale, HAS_NEXT, HAS_B, OUT_DTYPE,
                 )  # fmt: skip
         else:
             for row in tl.range(pid, n_rows, step):
                 row64 = tl.cast(row, tl.int64)
-                r = tl.load(
-                    r_ptr + row64 * hidden + cols,
-                    mask=mask,
-                    other=0.0,
-                    eviction_policy="evict_first",
-                )
+                base = row64 * hidden
+                ra, rb = _load_row(r_ptr, base, cols_a, cols_b, hidden, HAS_B, "evict_first")
                 if TOPK == 0:
-                    x = tl.load(
-                        x_ptr + row64 * hidden + cols,
-                        mask=mask,
-                        other=0.0,
-                        eviction_policy="evict_first",
-                    )
-                    x = x.to(tl.float32)
+                    xa, xb = _load_row(x_ptr, base, cols_a, cols_b, hidden, HAS_B, "evict_first")
+                    xa, xb = xa.to(tl.float32), xb.to(tl.float32)
                 else:
                     # MoE finalize: fp32 weighted sum of the k expert rows, routed scale, one
                     # rounding.
-                    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+                    acc_a = tl.zeros([BLOCK_A], dtype=tl.float32)
+                    acc_b = tl.zeros([BLOCK_B if HAS_B else 1], dtype=tl.float32)
                     for j in tl.static_range(TOPK):
                         wj = tl.load(topk_w_ptr + row64 * TOPK + j).to(tl.float32)
-                        xj = tl.load(
-                            x_ptr + (row64 * TOPK + j) * hidden + cols,
-                            mask=mask,
-                            other=0.0,
-                            eviction_policy="evict_first",
-                        )
-                        acc += xj.to(tl.float32) * wj
-                    x = _round(acc * routed_scale, OUT_DTYPE)
+                        xja, xjb = _load_row(x_ptr, (row64 * TOPK + j) * hidden, cols_a, cols_b,
+                                             hidden, HAS_B, "evict_first")  # fmt: skip
+                        acc_a += xja.to(tl.float32) * wj
+                        if HAS_B:
+                            acc_b += xjb.to(tl.float32) * wj
+                    xa = _round(acc_a * routed_scale, OUT_DTYPE)
+                    xb = _round(acc_b * routed_scale, OUT_DTYPE)
                 _finish_row(
-                    x, r, row64, h_ptr, y_ptr, cols, mask, hidden, w_post, w_next, inv_hidden,
-                    eps_post, eps_next, x_scale, residual_scale, HAS_NEXT, OUT_DTYPE,
+                    xa, xb, ra, rb, base, h_ptr, y_ptr, cols_a, cols_b, hidden, wpa, wpb, wna,
+                    wnb, inv_hidden, eps_post, eps_next, x_scale, residual_scale, HAS_NEXT, HAS_B,
+                    OUT_DTYPE,
                 )  # fmt: skip
+
+
+def row_tiles(hidden: int, split: bool) -> tuple[int, int]:
+    """(BLOCK_A, BLOCK_B): a row as a power-of-two tile plus a power-of-two remainder tile
+    (hidden 5120 = 4096 + 1024), or one padded tile (BLOCK_B = 0) when `split` is off or the
+    remainder tile would pad as much as the single one."""
+    whole = triton.next_power_of_2(hidden)
+    if not split or whole == hidden:
+        return whole, 0
+    a = whole // 2
+    b = triton.next_power_of_2(hidden - a)
+    return (a, b) if a + b < whole else (whole, 0)
 
 
 def _check(
@@ -230,15 +275,21 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-def _launch_config(n_rows: int, block_h: int, topk: int, device: torch.device) -> tuple[int, int]:
-    """(num_warps, programs), measured on an H200 at hidden 5120 (bench/NOTES.md). Few rows:
-    one row per program, about 16 elements a thread (lowest latency). Many rows (and the
-    k-row finalize, which holds more): 32 warps a row, one program per SM walking rows with
-    the next row's loads in flight."""
+def _launch_config(
+    n_rows: int, hidden: int, topk: int, device: torch.device
+) -> tuple[int, int, bool]:
+    """(num_warps, programs, split), measured on an H200 at hidden 5120 (bench/NOTES.md).
+    Few rows: one row per program, 16 warps, one padded tile (lowest latency). Many rows:
+    two 16-warp programs per SM walking rows with the next row's loads in flight, the row
+    held as exact tiles (4096 + 1024): 87% of copy bandwidth at 16384 rows. The k-row
+    finalize: 32 warps, one program per SM, one padded tile (the split was not faster)."""
     sms = _sm_count(device)
-    if n_rows <= sms and not topk:
-        return min(16, max(4, block_h // 512)), n_rows
-    return min(32, max(4, block_h // 256)), min(n_rows, sms)
+    block_h = triton.next_power_of_2(hidden)
+    if topk:
+        return min(32, max(4, block_h // 256)), min(n_rows, sms), False
+    if n_rows <= sms:
+        return min(16, max(4, block_h // 512)), n_rows, False
+    return min(16, max(4, block_h // 512)), min(n_rows, 2 * sms), SPLIT_ROWS
 
 
 def boundary_into(
@@ -258,12 +309,14 @@ def boundary_into(
     num_warps: int | None = None,
     programs: int | None = None,
     prefetch: bool | None = None,
+    split: bool | None = None,
 ) -> None:
     """Run the kernel into contiguous `h_out` (and `y_out` when `w_next` is given).
 
     `x` is the reduced sublayer output [T, H], or with `topk_weights` [T, k] the
     unfinalized expert rows [T, k, H] (finalized in the kernel). `num_warps`, `programs`
-    and `prefetch` override the launch heuristic (benchmark sweeps only).
+    `prefetch` and `split` (see `row_tiles`) override the launch heuristic (benchmark
+    sweeps only).
     """
     hidden = residual.shape[-1]
     n_rows = residual.numel() // hidden if hidden else 0
@@ -277,10 +330,10 @@ def boundary_into(
     if topk_weights is not None:
         topk = topk_weights.shape[-1]
         topk_weights = topk_weights.contiguous()
-    block_h = triton.next_power_of_2(hidden)
-    default_warps, default_programs = _launch_config(n_rows, block_h, topk, x.device)
+    default_warps, default_programs, default_split = _launch_config(n_rows, hidden, topk, x.device)
     num_warps = num_warps or default_warps
     programs = min(n_rows, programs or default_programs)
+    block_a, block_b = row_tiles(hidden, default_split if split is None else split)
     _boundary_kernel[(programs,)](
         x,
         topk_weights if topk_weights is not None else x,
@@ -300,7 +353,8 @@ def boundary_into(
         TOPK=topk,
         HAS_NEXT=w_next is not None,
         OUT_DTYPE=_TL_DTYPES[residual.dtype],
-        BLOCK_H=block_h,
+        BLOCK_A=block_a,
+        BLOCK_B=block_b,
         PREFETCH=programs < n_rows if prefetch is None else prefetch,
         num_warps=num_warps,
     )

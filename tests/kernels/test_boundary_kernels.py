@@ -168,17 +168,31 @@ needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INT
 @settings(deadline=None)
 @given(
     tokens=st.integers(1, 9),
-    hidden=st.sampled_from([16, 48, 64, 200, 512, 1024]),
+    hidden=st.sampled_from([16, 48, 64, 200, 320, 512, 1024, 1280]),
     topk=st.sampled_from([0, 0, 1, 4, 8]),
     dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
     scales=st.tuples(st.floats(0.05, 1.0), st.floats(0.05, 1.0)),
     programs=st.sampled_from([None, 1, 2]),
+    split=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_interpreted_kernel_matches_reference(tokens, hidden, topk, dtype, scales, programs, seed):
+def test_interpreted_kernel_matches_reference(
+    tokens, hidden, topk, dtype, scales, programs, split, seed
+):
     args = make_inputs(tokens, hidden, topk, dtype, "cpu", seed, scales=scales)
-    h, y = run_into(args, programs=programs)
+    h, y = run_into(args, programs=programs, split=split)
     check_against_reference(args, h, y)
+
+
+@pytest.mark.parametrize(
+    "hidden, tiles",
+    [(5120, (4096, 1024)), (4096, (4096, 0)), (7168, (8192, 0)), (6144, (4096, 2048)),
+     (2880, (2048, 1024)), (200, (256, 0)), (48, (32, 16)), (1, (1, 0))],
+)  # fmt: skip
+def test_row_tiles(hidden, tiles):
+    assert triton_kernels.row_tiles(hidden, split=True) == tiles
+    whole = 1 << (hidden - 1).bit_length()
+    assert triton_kernels.row_tiles(hidden, split=False) == (whole, 0)
 
 
 @needs_interpreter
@@ -216,12 +230,13 @@ gpu = pytest.mark.gpu
 
 
 @gpu
-@pytest.mark.parametrize("hidden", [1024, 2048, 4096, 5120, 8192, 16384])
+@pytest.mark.parametrize("hidden", [1024, 2048, 2880, 4096, 5120, 7168, 8192, 16384])
 @pytest.mark.parametrize("tokens", [1, 7, 64, 333])
 @pytest.mark.parametrize("topk", [0, 8])
-def test_gpu_matches_reference(hidden, tokens, topk):
+@pytest.mark.parametrize("split", [True, False])
+def test_gpu_matches_reference(hidden, tokens, topk, split):
     args = make_inputs(tokens, hidden, topk, torch.bfloat16, "cuda", seed=hidden + tokens)
-    h, y = run_into(args)
+    h, y = run_into(args, split=split)
     check_against_reference(args, h, y)
 
 
@@ -239,6 +254,8 @@ def test_gpu_persistent_grid(programs):
     # More rows than programs: each program walks several rows.
     args = make_inputs(4099, 5120, 0, torch.bfloat16, "cuda", seed=11)
     h, y = run_into(args, programs=programs)
+    check_against_reference(args, h, y)
+    h, y = run_into(args, programs=programs, split=False)
     check_against_reference(args, h, y)
 
 
