@@ -35,7 +35,7 @@ HIDDEN, EXPERTS = 5120, 256
 TOP_K, N_GROUP, TOPK_GROUP = 8, 8, 4
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 N_WEIGHTS = 16
-SWEEP_TOKENS = (1, 16, 64, 256)
+SWEEP_TOKENS = (1, 4, 16, 64)
 SWEEP_CONFIGS = [  # block_e, k_chunk, block_k
     rt.GemmConfig(16, 256, 64, num_warps=4, num_stages=5, max_block_t=16),
     rt.GemmConfig(16, 512, 64, num_warps=4, num_stages=9, max_block_t=16),
@@ -63,10 +63,41 @@ def routing(x, w, bias, fused, config=None):
     return rt.routed_topk(x, w, bias, TOP_K, N_GROUP, TOPK_GROUP, True, fused=fused, config=config)
 
 
+@triton.jit
+def _empty_kernel(ptr):
+    pass
+
+
+def probe(weights, bw: float) -> list[dict]:
+    """Place the time of a one-launch router call: an empty kernel (the launch floor of
+    this timing), a copy of one 5.2 MB weight (one DRAM-bound launch of the same bytes),
+    and the split-K kernel with rotating weights (DRAM) and with one weight (L2 hot)."""
+    x = torch.randn(1, HIDDEN, device="cuda").to(torch.bfloat16)
+    dst = torch.empty_like(weights[0])
+    rot = [(x, w) for w in weights]
+    hot = [(x, weights[0])] * len(weights)
+    k = rt._gemm_config(1)
+    cases = {
+        "empty triton kernel": (lambda x, w: _empty_kernel[(1,)](w), rot),
+        "copy_ of one weight (5.2 MB read + write)": (lambda x, w: dst.copy_(w), rot),
+        "router gemm 1 token, rotating weights": (lambda x, w: rt.router_gemm(x, w, config=k), rot),
+        "router gemm 1 token, one weight (L2)": (lambda x, w: rt.router_gemm(x, w, config=k), hot),
+        "cuBLAS fp32 1 token, one weight (L2)": (lambda x, w: F.linear(x.float(), w), hot),
+    }
+    out = []
+    for name, (fn, sets) in cases.items():
+        us = time_per_call(fn, sets)
+        out.append(dict(probe=name, us=round(us, 2)))
+        print(out[-1], flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--sweep", action="store_true", help="also sweep the GEMM tiling")
+    ap.add_argument("--probe", action="store_true", help="only place a 1-token call's time")
+    ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -76,13 +107,18 @@ def main() -> None:
         torch.randn(EXPERTS, HIDDEN, generator=gen, device="cuda") / HIDDEN**0.5
         for _ in range(N_WEIGHTS)
     ]
+    if args.probe:
+        probes = probe(weights, bw)
+        with open(os.path.join(args.out, "router_probe.json"), "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), rows=probes), f, indent=1)
+        return
     weights_bf16 = [w.to(torch.bfloat16) for w in weights]
     bias = torch.randn(EXPERTS, generator=gen, device="cuda") * 0.05
     # Dynamic token count, as vLLM compiles: one graph for all token counts.
     compiled_logits = torch.compile(reference.router_logits, dynamic=True)
     compiled_routed = torch.compile(reference.routed_topk, dynamic=True)
     rows, sweeps = [], []
-    for tokens in TOKENS:
+    for tokens in args.tokens:
         xs = [
             torch.randn(tokens, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
             for _ in range(N_WEIGHTS)
