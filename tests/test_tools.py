@@ -17,6 +17,14 @@ def test_layer_benchmark_runs_every_variant(tmp_path):
     assert len(rows) == 2 * 2 * 2  # experts x layer kinds x (decode, prefill)
     for r in rows:
         assert all(r[v]["us"] > 0 for v in ("eager", "torch.compile", "beamfx"))
+        # The beamfx row runs every fusion: nothing of the routing or MoE is left unfused.
+        moe = "beamfx.mega_moe_nvfp4" if r["experts"] == "nvfp4" else "beamfx.mega_moe"
+        want = {"beamfx.routed_topk": 1, moe: 1, "beamfx.fused_boundary": 2,
+                "beamfx.attn_gate": 1}  # fmt: skip
+        assert r["beamfx"]["ops"] == want, r["beamfx"]["ops"]
+        # The baseline fuses nothing of beamfx's: only the opaque experts op is left.
+        experts = "beamfx.moe_experts_nvfp4" if r["experts"] == "nvfp4" else "beamfx.moe_experts"
+        assert r["torch.compile"]["ops"] == {experts: 1}, r["torch.compile"]["ops"]
 
 
 @pytest.mark.slow

@@ -67,7 +67,11 @@ def build(cfg: BeamConfig, kind: str, world: int, device: str) -> LayerStep:
         scale = 0.1 if "norm" in name else p.shape[-1] ** -0.5
         base = 1.0 if "norm" in name else 0.0
         p.data.copy_(base + scale * torch.randn(p.shape, generator=g, device=device))
-    step.layer.mlp.gate.weight.data = step.layer.mlp.gate.weight.data.float()
+    # As the checkpoint loader keeps them (BEAM.md): the router weight and its correction
+    # bias stay fp32.
+    gate = step.layer.mlp.gate
+    gate.weight.data = gate.weight.data.float()
+    gate.e_score_correction_bias.data = gate.e_score_correction_bias.data.float()
     experts = step.layer.mlp.experts
     if hasattr(experts, "w13_scale"):  # NVFP4: quantize random dense weights
         from beamfx.kernels.moe.nvfp4 import quantize_experts
@@ -121,6 +125,24 @@ def launches(fn, args, device: str) -> int | None:
         return count_launches(fn, args)
 
 
+def breakdown(fn, args, top: int = 10) -> list[list]:
+    """The kernels that take the most device time in one call: [name, us, count]."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        fn(*args)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn(*args)
+            torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us > 0:
+            rows.append([e.key[:90], round(us, 1), e.count])
+    return sorted(rows, key=lambda r: -r[1])[:top]
+
+
 def weight_bytes(step: LayerStep, experts_touched: int) -> int:
     """Bytes a layer must read: every weight, except the experts nobody routed to."""
     total, experts = 0, step.layer.mlp.experts
@@ -146,14 +168,16 @@ def experts_touched(step: LayerStep, x: torch.Tensor) -> int:
 def variants(step: LayerStep, nvfp4: bool):
     # The baselines run the MoE experts on the library's grouped GEMM (bf16); NVFP4 has no
     # library path, so its experts run beamfx's W4A16 kernel in every row.
+    # The FX graph cache stays off: a cache hit would skip the passes and their reports.
     pin = {} if nvfp4 else {"moe_experts": "grouped_mm"}
+    plain = {"emulate_precision_casts": False, "fx_graph_cache": False}
+    compiled = beamfx.compile(step, (), options=plain)
+    plain_manager = compiled.beamfx  # read now: the attribute lands on the shared module
+    fused = beamfx.compile(step, "all", options={"fx_graph_cache": False})
     return {
-        "eager": (step, pin),
-        "torch.compile": (
-            beamfx.compile(step, (), options={"emulate_precision_casts": False}),
-            pin,
-        ),
-        "beamfx": (beamfx.compile(step, "all"), {}),
+        "eager": (step, pin, None),
+        "torch.compile": (compiled, pin, plain_manager),
+        "beamfx": (fused, {}, fused.beamfx),
     }
 
 
@@ -166,7 +190,19 @@ def main() -> None:
     ap.add_argument("--experts", nargs="*", default=["bf16", "nvfp4"])
     ap.add_argument("--tp", type=int, nargs="*", default=[1, 8])
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also record the top kernels of each row (torch.profiler)")  # fmt: skip
+    ap.add_argument("--replot", metavar="JSON",
+                    help="only rewrite the summary and plot of a results JSON")  # fmt: skip
     args = ap.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            data = json.load(f)
+        stem = args.replot.removesuffix(".json")
+        with open(stem + ".md", "w") as f:
+            f.write(markdown(data["meta"], data["rows"]))
+        plot(data["rows"], stem)
+        return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     decode = args.tokens if args.tokens is not None else ((1, 32) if args.quick else DECODE)
     prefill = args.prefill if args.prefill is not None else ((2048,) if args.quick else PREFILL)
@@ -195,11 +231,18 @@ def main() -> None:
                            "phase": "prefill" if is_prefill else "decode",
                            "experts_touched": touched,
                            "floor_us": round(floor, 2) if floor else None}  # fmt: skip
-                    for name, (fn, pin) in runs.items():
+                    for name, (fn, pin, manager) in runs.items():
                         with ops.pinned_providers(**pin) if pin else contextlib.nullcontext():
                             us, how = time_us(fn, args_, device)
                             row[name] = {"us": round(us, 2), "timing": how,
                                          "launches": launches(fn, args_, device)}  # fmt: skip
+                            if manager is not None and manager.reports:
+                                # The beamfx ops in the graph this call ran (the latest).
+                                after = manager.reports[-1].ops_after
+                                row[name]["ops"] = {k: v for k, v in after.items()
+                                                    if k.startswith("beamfx.")}  # fmt: skip
+                            if args.breakdown and device == "cuda":
+                                row[name]["top_kernels"] = breakdown(fn, args_)
                     row["beamfx_vs_compile"] = round(
                         row["torch.compile"]["us"] / row["beamfx"]["us"], 3
                     )
@@ -235,28 +278,68 @@ def _version(module: str) -> str | None:
         return None
 
 
+ROWS_RUN = """\
+- **eager**: the plain model as written; Beam IR ops run their torch references; experts on
+  `torch._grouped_mm` (bf16; rows sorted by expert, gathered, scattered back) or beamfx's
+  NVFP4 Triton kernel (NVFP4 has no library path), finalize in torch.
+- **torch.compile**: the plain model under Inductor's defaults, no beamfx fusion pass
+  (Beam IR lowered back to torch code, so Inductor fuses norms, residual adds and routing
+  itself); experts as in eager (an opaque op), router GEMM on cuBLAS fp32.
+- **beamfx**: `beamfx.compile(passes="all")`: attention gate, router GEMM (Triton split-K from
+  2 to 1024 tokens, cuBLAS outside) with routing, MegaMoE (Triton, bf16 or NVFP4 W4A16,
+  finalize folded into FC2), two fused boundaries per layer (Triton), the rest as compile.
+- Attention in every row: `F.scaled_dot_product_attention` with a boolean mask (cuDNN or
+  memory-efficient kernels as torch picks); decode rows run without a KV cache.
+- One GPU: TP8 rows are one rank's shapes (heads, experts' intermediate / 8) without the
+  all-reduce."""
+
+
 def markdown(meta: dict, rows: list[dict]) -> str:
     lines = [
         f"# Decoder layer ({meta['config']}): eager, torch.compile, beamfx",
         "",
         f"{meta['date']}, {meta['device']}, torch {meta['torch']}, Triton {meta['triton']}; "
-        f"copy bandwidth {meta['copy_GBps']} GB/s. Attention: {meta['attention']}. "
-        "us per layer (launches); floor = weights read once at copy bandwidth.",
+        f"copy bandwidth {meta['copy_GBps']} GB/s. Every row measured in this one run, as a "
+        "CUDA-graph replay median. Cells: us per layer (kernel launches per layer, "
+        "torch.profiler); floor = every weight the layer needs (the routed experts only) "
+        "read once at the copy bandwidth.",
         "",
+        "What each row runs:",
+        "",
+        ROWS_RUN,
+        "",
+    ]
+    if meta.get("note"):
+        lines += [meta["note"], ""]
+    lines += [
         "| experts | TP | layer | phase | tokens | eager | torch.compile | beamfx | "
-        "beamfx vs compile | floor us |",
-        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "beamfx vs compile | floor us | beamfx % of floor |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         cell = [f"{r[v]['us']} ({r[v]['launches']})" for v in ("eager", "torch.compile", "beamfx")]
+        pct = f"{100 * r['floor_us'] / r['beamfx']['us']:.0f}%" if r["floor_us"] else ""
         lines.append(
-            f"| {r['experts']} | {r['tp']} | {r['layer']} | {r['phase']} | {r['tokens']} | "
-            f"{' | '.join(cell)} | {r['beamfx_vs_compile']}x | {r['floor_us']} |"
+            f"| {r['experts']} | {r['tp']} | {r['layer'].split('_')[0]} | {r['phase']} | "
+            f"{r['tokens']} | {' | '.join(cell)} | {r['beamfx_vs_compile']}x | {r['floor_us']} | "
+            f"{pct} |"
+        )
+    lines += ["", "beamfx vs torch.compile, lowest and highest ratio per group:", ""]
+    groups = dict.fromkeys((r["experts"], r["tp"], r["phase"]) for r in rows)
+    for experts, tp, phase in groups:
+        sel = [r for r in rows if (r["experts"], r["tp"], r["phase"]) == (experts, tp, phase)]
+        ratios = [r["beamfx_vs_compile"] for r in sel]
+        tokens = sorted({r["tokens"] for r in sel})
+        lines.append(
+            f"- {experts} TP{tp} {phase} (tokens {', '.join(map(str, tokens))}): "
+            f"{min(ratios)}x to {max(ratios)}x"
         )
     return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict], stem: str) -> None:
+    """Per (experts, TP, layer): latency vs tokens per variant with the weight-read floor,
+    and below it the share of the floor each variant reaches (floor / time)."""
     try:
         import matplotlib
 
@@ -266,19 +349,28 @@ def plot(rows: list[dict], stem: str) -> None:
         print("matplotlib is not installed: no plot (pip install matplotlib)")
         return
     groups = sorted({(r["experts"], r["tp"], r["layer"]) for r in rows})
-    fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.5), squeeze=False)
-    for ax, (experts, tp, layer) in zip(axes[0], groups):
+    cols = min(4, len(groups))
+    blocks = -(-len(groups) // cols)
+    fig, axes = plt.subplots(2 * blocks, cols, figsize=(4 * cols, 6.4 * blocks), squeeze=False)
+    variants = ("eager", "torch.compile", "beamfx")
+    for i, (experts, tp, layer) in enumerate(groups):
+        top, bottom = axes[2 * (i // cols)][i % cols], axes[2 * (i // cols) + 1][i % cols]
         sel = [r for r in rows if (r["experts"], r["tp"], r["layer"]) == (experts, tp, layer)]
         tokens = [r["tokens"] for r in sel]
-        for v in ("eager", "torch.compile", "beamfx"):
-            ax.plot(tokens, [r[v]["us"] for r in sel], marker="o", label=v)
+        for v in variants:
+            top.plot(tokens, [r[v]["us"] for r in sel], marker="o", label=v)
+            if sel[0]["floor_us"]:
+                share = [100 * r["floor_us"] / r[v]["us"] for r in sel]
+                bottom.plot(tokens, share, marker="o", label=v)
         if sel[0]["floor_us"]:
-            ax.plot(tokens, [r["floor_us"] for r in sel], "k--", label="weight-read floor")
-        ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="us per layer",
-               title=f"{experts}, TP{tp}, {layer.split('_')[0]}")  # fmt: skip
+            top.plot(tokens, [r["floor_us"] for r in sel], "k--", label="weight-read floor")
+        title = f"{experts}, TP{tp}, {layer.split('_')[0]} attention"
+        top.set(xscale="log", yscale="log", ylabel="us per layer", title=title)
+        bottom.set(xscale="log", xlabel="tokens", ylabel="% of weight-read floor", ylim=(0, 100))
     axes[0][0].legend(fontsize=7)
+    axes[1][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(stem + ".png", dpi=110)
+    fig.savefig(stem + ".png", dpi=100)
 
 
 if __name__ == "__main__":
