@@ -11,7 +11,7 @@ import pytest
 def test_layer_benchmark_runs_every_variant(tmp_path):
     cmd = [sys.executable, "tools/bench_layer.py", "--config", "tiny", "--tokens", "2",
            "--prefill", "8", "--tp", "1", "--experts", "bf16", "nvfp4",
-           "--out", str(tmp_path)]  # fmt: skip
+           "--finalize-in-boundary", "--out", str(tmp_path)]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)
     rows = json.loads((tmp_path / "layer_cpu.json").read_text())["rows"]
     assert len(rows) == 2 * 2 * 2  # experts x layer kinds x (decode, prefill)
@@ -25,6 +25,10 @@ def test_layer_benchmark_runs_every_variant(tmp_path):
         # The baseline fuses nothing of beamfx's: only the opaque experts op is left.
         experts = "beamfx.moe_experts_nvfp4" if r["experts"] == "nvfp4" else "beamfx.moe_experts"
         assert r["torch.compile"]["ops"] == {experts: 1}, r["torch.compile"]["ops"]
+        # Boundary first: it takes the finalize, the experts stay unfused and write k rows.
+        other = r["beamfx, finalize in boundary"]["ops"]
+        assert other == {"beamfx.routed_topk": 1, experts: 1, "beamfx.fused_boundary": 2,
+                         "beamfx.attn_gate": 1}, other  # fmt: skip
 
 
 @pytest.mark.slow

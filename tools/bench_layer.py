@@ -165,7 +165,13 @@ def experts_touched(step: LayerStep, x: torch.Tensor) -> int:
     return int(ids.unique().numel())
 
 
-def variants(step: LayerStep, nvfp4: bool):
+BASE_VARIANTS = ("eager", "torch.compile", "beamfx")
+# Passes in this order let the boundary take the MoE finalize (the experts then write their
+# k rows each); the default order folds it into the MegaMoE kernel instead.
+FINALIZE_IN_BOUNDARY = ["attn_gate", "router_gemm", "boundary", "mega_moe"]
+
+
+def variants(step: LayerStep, nvfp4: bool, finalize_in_boundary: bool = False):
     # The baselines run the MoE experts on the library's grouped GEMM (bf16); NVFP4 has no
     # library path, so its experts run beamfx's W4A16 kernel in every row.
     # The FX graph cache stays off: a cache hit would skip the passes and their reports.
@@ -174,11 +180,15 @@ def variants(step: LayerStep, nvfp4: bool):
     compiled = beamfx.compile(step, (), options=plain)
     plain_manager = compiled.beamfx  # read now: the attribute lands on the shared module
     fused = beamfx.compile(step, "all", options={"fx_graph_cache": False})
-    return {
+    runs = {
         "eager": (step, pin, None),
         "torch.compile": (compiled, pin, plain_manager),
         "beamfx": (fused, {}, fused.beamfx),
     }
+    if finalize_in_boundary:
+        other = beamfx.compile(step, FINALIZE_IN_BOUNDARY, options={"fx_graph_cache": False})
+        runs["beamfx, finalize in boundary"] = (other, {}, other.beamfx)
+    return runs
 
 
 def main() -> None:
@@ -192,6 +202,8 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--breakdown", action="store_true",
                     help="also record the top kernels of each row (torch.profiler)")  # fmt: skip
+    ap.add_argument("--finalize-in-boundary", action="store_true",
+                    help="also time beamfx with the boundary taking the MoE finalize")  # fmt: skip
     ap.add_argument("--replot", metavar="JSON",
                     help="only rewrite the summary and plot of a results JSON")  # fmt: skip
     args = ap.parse_args()
@@ -220,7 +232,7 @@ def main() -> None:
         for world in args.tp:
             for kind in ("sliding_attention", "full_attention"):
                 step = build(cfg, kind, world, device)
-                runs = variants(step, experts == "nvfp4")
+                runs = variants(step, experts == "nvfp4", args.finalize_in_boundary)
                 for tokens, is_prefill in [(t, False) for t in decode] + [
                     (t, True) for t in prefill
                 ]:
@@ -311,13 +323,14 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     ]
     if meta.get("note"):
         lines += [meta["note"], ""]
+    names = _variant_names(rows)
     lines += [
-        "| experts | TP | layer | phase | tokens | eager | torch.compile | beamfx | "
+        "| experts | TP | layer | phase | tokens | " + " | ".join(names) + " | "
         "beamfx vs compile | floor us | beamfx % of floor |",
-        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | --- | --- | --- | ---: |" + " ---: |" * (len(names) + 3),
     ]
     for r in rows:
-        cell = [f"{r[v]['us']} ({r[v]['launches']})" for v in ("eager", "torch.compile", "beamfx")]
+        cell = [f"{r[v]['us']} ({r[v]['launches']})" for v in names]
         pct = f"{100 * r['floor_us'] / r['beamfx']['us']:.0f}%" if r["floor_us"] else ""
         lines.append(
             f"| {r['experts']} | {r['tp']} | {r['layer'].split('_')[0]} | {r['phase']} | "
@@ -337,6 +350,11 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _variant_names(rows: list[dict]) -> list[str]:
+    extra = [k for k in rows[0] if isinstance(rows[0][k], dict) and k not in BASE_VARIANTS]
+    return [*BASE_VARIANTS, *extra]
+
+
 def plot(rows: list[dict], stem: str) -> None:
     """Per (experts, TP, layer): latency vs tokens per variant with the weight-read floor,
     and below it the share of the floor each variant reaches (floor / time)."""
@@ -352,7 +370,7 @@ def plot(rows: list[dict], stem: str) -> None:
     cols = min(4, len(groups))
     blocks = -(-len(groups) // cols)
     fig, axes = plt.subplots(2 * blocks, cols, figsize=(4 * cols, 6.4 * blocks), squeeze=False)
-    variants = ("eager", "torch.compile", "beamfx")
+    variants = _variant_names(rows)
     for i, (experts, tp, layer) in enumerate(groups):
         top, bottom = axes[2 * (i // cols)][i % cols], axes[2 * (i // cols) + 1][i % cols]
         sel = [r for r in rows if (r["experts"], r["tp"], r["layer"]) == (experts, tp, layer)]
