@@ -27,8 +27,7 @@ def test_layer_benchmark_runs_every_variant(tmp_path):
         assert r["torch.compile"]["ops"] == {experts: 1}, r["torch.compile"]["ops"]
         # Boundary first: it takes the finalize, the experts stay unfused and write k rows.
         other = r["beamfx, finalize in boundary"]["ops"]
-        assert other == {"beamfx.routed_topk": 1, experts: 1, "beamfx.fused_boundary": 2,
-                         "beamfx.attn_gate": 1}, other  # fmt: skip
+        assert other == {**{k: v for k, v in want.items() if k != moe}, experts: 1}, other
 
 
 @pytest.mark.slow

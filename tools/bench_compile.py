@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import time
+import timeit
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -68,6 +69,9 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
 
+    # The passes are Python: a fixed pure-Python loop, timed here, places this machine's
+    # speed against another's when their results are compared.
+    python_ref_ms = 1e3 * min(timeit.repeat("sum(range(10**6))", number=1, repeat=20))
     start = time.perf_counter()
     for name in ["canonicalize", "attn_gate", "router_gemm", "mega_moe", "boundary", "lower"]:
         get_pass(name).matcher() if hasattr(get_pass(name), "matcher") else None
@@ -104,6 +108,7 @@ def main() -> None:
         "shape": "hidden 5120, 48 q / 8 kv heads x 128, 256 experts top-8, n_group 8, "
                  "topk_group 4, moe_intermediate 1536 (inferred, not official)",
         "tokens": args.tokens, "registration_s": round(registration, 3),
+        "python_ref_ms": round(python_ref_ms, 2),
         "device": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
         "torch": torch.__version__, "beamfx": beamfx.__version__,
         "date": datetime.date.today().isoformat(),
@@ -116,7 +121,8 @@ def main() -> None:
         "",
         f"{meta['date']}, {meta['cpus']} CPU cores, torch {meta['torch']}. Shape: "
         f"{meta['shape']}. One graph of the whole model, {args.tokens} tokens; pattern "
-        f"registration (once per process) {meta['registration_s']} s, not included below.",
+        f"registration (once per process) {meta['registration_s']} s, not included below. "
+        f"Machine speed: `sum(range(10**6))` takes {meta['python_ref_ms']} ms here.",
         "",
         "| layers | graph nodes | canonicalize+lower only (s) | all passes, one graph (s) | "
         "all passes, one graph per layer (s) | matches |",

@@ -174,20 +174,21 @@ FINALIZE_IN_BOUNDARY = ["attn_gate", "router_gemm", "boundary", "mega_moe"]
 def variants(step: LayerStep, nvfp4: bool, finalize_in_boundary: bool = False):
     # The baselines run the MoE experts on the library's grouped GEMM (bf16); NVFP4 has no
     # library path, so its experts run beamfx's W4A16 kernel in every row.
-    # The FX graph cache stays off: a cache hit would skip the passes and their reports.
     pin = {} if nvfp4 else {"moe_experts": "grouped_mm"}
-    plain = {"emulate_precision_casts": False, "fx_graph_cache": False}
-    compiled = beamfx.compile(step, (), options=plain)
-    plain_manager = compiled.beamfx  # read now: the attribute lands on the shared module
-    fused = beamfx.compile(step, "all", options={"fx_graph_cache": False})
+
+    def compiled(passes, pins, **options):
+        # The FX graph cache stays off: a hit would skip the passes and their reports. The
+        # pass manager is taken at once: `.beamfx` lands on the module all rows share.
+        fn = beamfx.compile(step, passes, options={"fx_graph_cache": False, **options})
+        return fn, pins, fn.beamfx
+
     runs = {
         "eager": (step, pin, None),
-        "torch.compile": (compiled, pin, plain_manager),
-        "beamfx": (fused, {}, fused.beamfx),
+        "torch.compile": compiled((), pin, emulate_precision_casts=False),
+        "beamfx": compiled("all", {}),
     }
     if finalize_in_boundary:
-        other = beamfx.compile(step, FINALIZE_IN_BOUNDARY, options={"fx_graph_cache": False})
-        runs["beamfx, finalize in boundary"] = (other, {}, other.beamfx)
+        runs["beamfx, finalize in boundary"] = compiled(FINALIZE_IN_BOUNDARY, {})
     return runs
 
 

@@ -287,9 +287,8 @@ def _launch_config(
     block_h = triton.next_power_of_2(hidden)
     if topk:
         return min(32, max(4, block_h // 256)), min(n_rows, sms), False
-    if n_rows <= sms:
-        return min(16, max(4, block_h // 512)), n_rows, False
-    return min(16, max(4, block_h // 512)), min(n_rows, 2 * sms), SPLIT_ROWS
+    warps = min(16, max(4, block_h // 512))
+    return (warps, n_rows, False) if n_rows <= sms else (warps, min(n_rows, 2 * sms), SPLIT_ROWS)
 
 
 def boundary_into(
