@@ -139,6 +139,9 @@ def sweep_configs(pairs: int, inter: int, fp4: bool) -> list[tk.Config]:
             replace(base, bk1=128, stages1=4),
             replace(base, warps1=8),
         ]
+    if fp4:  # the two NVFP4 decodes (kernels/moe/triton.py, Config.decode)
+        cands = [replace(base, decode=d) for d in (0, 1)]
+        cands += [replace(base, decode=1, stages1=4, stages2=4)]
     out = []
     for c in cands:
         if c not in out:
@@ -184,7 +187,7 @@ def bench_shape(shape, inter, token_counts, gen, bw, mm, sweep, sweeps) -> list[
         if tokens <= 8:  # host loop over experts: not graph-capturable, slow
             row["reference_us"] = time_over(fns["reference"], sets[:2], graph=False)
         if sweep and tokens in (1, 64, 4096):
-            for fp4, name in ((True, "nvfp4"), (False, "bf16")):
+            for fp4, name in ((True, "nvfp4"), (False, "bf16"))[: 1 if sweep == "nvfp4" else 2]:
                 best = float("inf")
                 for cfg in sweep_configs(tokens * TOP_K, inter, fp4):
                     fn = functools.partial(fns[f"{name}_config"], c=cfg)
@@ -215,6 +218,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--quick", action="store_true", help="TP8 only, fewer token counts")
     ap.add_argument("--sweep", action="store_true", help="also time tile variants")
+    ap.add_argument("--sweep-nvfp4-only", action="store_true", help="sweep the NVFP4 kernel only")
+    ap.add_argument("--tokens", type=int, nargs="*", help="token counts (default: all)")
     args = ap.parse_args()
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -223,8 +228,9 @@ def main() -> None:
     rows, sweeps = [], []
     for shape, inter in SHAPES.items():
         if not (args.quick and shape == "TP1"):
-            tokens = TOKENS if not args.quick else (1, 64, 4096)
-            rows += bench_shape(shape, inter, tokens, gen, bw, mm, args.sweep, sweeps)
+            tokens = args.tokens or (TOKENS if not args.quick else (1, 64, 4096))
+            sweep = "nvfp4" if args.sweep_nvfp4_only else args.sweep
+            rows += bench_shape(shape, inter, tokens, gen, bw, mm, sweep, sweeps)
             torch.cuda.empty_cache()
     meta = dict(
         device=torch.cuda.get_device_name(),
@@ -267,7 +273,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         refus = f"{r['reference_us']:.0f}" if "reference_us" in r else "-"
         best = "-"
         if "nvfp4_best_us" in r:
-            best = f"{r['nvfp4_best_us']:.1f} / {r['bf16_best_us']:.1f}"
+            best = f"{r['nvfp4_best_us']:.1f} / " + (
+                f"{r['bf16_best_us']:.1f}" if "bf16_best_us" in r else "-"
+            )
         lines.append(
             f"| {r['shape']} (I={r['inter']}) | {r['tokens']} | {r['experts_touched']:.0f} | "
             f"{fp4:.1f} | {100 * r['floor_nvfp4_us'] / fp4:.0f}% | {r['bf16_triton_us']:.1f} | "

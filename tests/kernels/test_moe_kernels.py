@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -85,21 +86,23 @@ def check_case(tokens, hidden, inter, experts, top_k, fp4, combine, device, seed
 # --- CPU: the kernels under Triton's interpreter ------------------------------------------
 
 _INTERPRETER_CASES = [
-    # tokens, hidden, inter, experts, top_k, fp4, combine, scan
-    (1, 64, 32, 4, 2, True, True, True),
-    (7, 64, 64, 8, 3, True, True, True),
-    (5, 128, 32, 6, 2, False, True, True),
-    (9, 64, 32, 8, 2, True, False, True),
-    (40, 64, 32, 4, 4, True, True, False),
-    (33, 128, 64, 16, 2, False, False, False),
-    (20, 64, 32, 8, 8, True, True, False),
+    # tokens, hidden, inter, experts, top_k, fp4, combine, scan, NVFP4 decode
+    (1, 64, 32, 4, 2, True, True, True, 0),
+    (1, 64, 32, 4, 2, True, True, True, 1),
+    (7, 64, 64, 8, 3, True, True, True, 1),
+    (5, 128, 32, 6, 2, False, True, True, 0),
+    (9, 64, 32, 8, 2, True, False, True, 0),
+    (9, 128, 64, 8, 2, True, False, True, 1),
+    (40, 64, 32, 4, 4, True, True, False, 0),
+    (33, 128, 64, 16, 2, False, False, False, 0),
+    (20, 64, 32, 8, 8, True, True, False, 1),
 ]
 
 
 def _interpreter_main() -> None:
-    for i, (t, h, inter, e, k, fp4, combine, scan) in enumerate(_INTERPRETER_CASES):
+    for i, (t, h, inter, e, k, fp4, combine, scan, decode) in enumerate(_INTERPRETER_CASES):
         base = tk.pick_config(1 if scan else 10**6, h, inter, fp4)
-        cfg = tk.Config(scan, 16, base.bn1, base.bk1, base.bn2, base.bk2)
+        cfg = tk.Config(scan, 16, base.bn1, base.bk1, base.bn2, base.bk2, decode=decode)
         err = check_case(t, h, inter, e, k, fp4, combine, "cpu", seed=i, config=cfg)
         print(f"case {i}: relative error {err:.2e}")
 
@@ -212,7 +215,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("fp4", [True, False])
+@pytest.mark.parametrize("fp4, decode", [(True, 0), (True, 1), (False, 0)])
 @pytest.mark.parametrize(
     "tokens, hidden, inter, experts, top_k",
     [
@@ -223,9 +226,10 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
         (1000, 256, 64, 8, 2),  # sorted blocks, hot experts
     ],
 )
-def test_kernels_match_reference_gpu(tokens, hidden, inter, experts, top_k, fp4):
+def test_kernels_match_reference_gpu(tokens, hidden, inter, experts, top_k, fp4, decode):
+    cfg = replace(tk.pick_config(tokens * top_k, hidden, inter, fp4), decode=decode)
     for combine in (True, False):
-        check_case(tokens, hidden, inter, experts, top_k, fp4, combine, "cuda", seed=tokens)
+        check_case(tokens, hidden, inter, experts, top_k, fp4, combine, "cuda", tokens, cfg)
 
 
 @gpu
@@ -237,12 +241,14 @@ def test_kernels_match_reference_gpu(tokens, hidden, inter, experts, top_k, fp4)
     experts=st.integers(2, 64),
     top_k=st.integers(1, 8),
     fp4=st.booleans(),
+    decode=st.sampled_from([0, 1]),
     seed=st.integers(0, 2**16),
 )
-@settings(max_examples=6)
-def test_kernels_random_shapes_gpu(tokens, hidden, inter, experts, top_k, fp4, seed):
+@settings(max_examples=8)
+def test_kernels_random_shapes_gpu(tokens, hidden, inter, experts, top_k, fp4, decode, seed):
     top_k = min(top_k, experts)
-    check_case(tokens, hidden, inter, experts, top_k, fp4, True, "cuda", seed)
+    cfg = replace(tk.pick_config(tokens * top_k, hidden, inter, fp4), decode=decode)
+    check_case(tokens, hidden, inter, experts, top_k, fp4, True, "cuda", seed, cfg)
 
 
 @gpu
