@@ -26,6 +26,7 @@ import platform
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 
 from beamfx.kernels.measure import copy_bandwidth, count_launches, time_per_call
 from beamfx.kernels.router import reference
@@ -68,18 +69,53 @@ def _empty_kernel(ptr):
     pass
 
 
+@triton.jit
+def _load_only_kernel(w_ptr, out_ptr, hidden, BLOCK_E: tl.constexpr, K_CHUNK: tl.constexpr):
+    """Read one [BLOCK_E, K_CHUNK] fp32 weight tile in one go and write its sum: the
+    DRAM-read-plus-launch floor of a grid shaped like the GEMM's."""
+    pid_e, pid_s = tl.program_id(0), tl.program_id(1)
+    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    offs_k = pid_s * K_CHUNK + tl.arange(0, K_CHUNK)
+    w = tl.load(w_ptr + offs_e[:, None] * hidden + offs_k[None, :])
+    tl.store(out_ptr + pid_e * tl.num_programs(1) + pid_s, tl.sum(tl.sum(w, 1), 0))
+
+
+# One-shot tilings (the whole K chunk loaded at once, no K loop) beside the default.
+PROBE_CONFIGS = [
+    rt.GemmConfig(16, 256, 64, num_warps=4, num_stages=5, max_block_t=16),
+    rt.GemmConfig(16, 256, 256, num_warps=4, num_stages=1, max_block_t=16),
+    rt.GemmConfig(32, 256, 256, num_warps=8, num_stages=1, max_block_t=16),
+    rt.GemmConfig(16, 512, 512, num_warps=8, num_stages=1, max_block_t=16),
+    rt.GemmConfig(32, 512, 256, num_warps=8, num_stages=2, max_block_t=16),
+    rt.GemmConfig(64, 1024, 128, num_warps=4, num_stages=8, max_block_t=16),
+]
+
+
 def probe(weights) -> list[dict]:
     """Place the time of a one-launch router call: an empty kernel (the launch floor of
     this timing), a copy of one 5.2 MB weight (one DRAM-bound launch of the same bytes),
-    and the split-K kernel with rotating weights (DRAM) and with one weight (L2 hot)."""
+    a Triton kernel that only reads the weight (grids of 320, 160 and 80 programs), and
+    the split-K kernel with rotating weights (DRAM) and with one weight (L2 hot), under
+    its default tiling and one-shot tilings (1, 16 and 64 tokens)."""
     x = torch.randn(1, HIDDEN, device="cuda").to(torch.bfloat16)
     dst = torch.empty_like(weights[0])
+    sums = torch.empty(4096, device="cuda")
     rot = [(x, w) for w in weights]
     hot = [(x, weights[0])] * len(weights)
     k = rt._gemm_config(1)
+
+    def load_only(block_e, k_chunk, warps):
+        grid = (EXPERTS // block_e, HIDDEN // k_chunk)
+        return lambda x, w: _load_only_kernel[grid](
+            w, sums, HIDDEN, block_e, k_chunk, num_warps=warps
+        )
+
     cases = {
         "empty triton kernel": (lambda x, w: _empty_kernel[(1,)](w), rot),
         "copy_ of one weight (5.2 MB read + write)": (lambda x, w: dst.copy_(w), rot),
+        "load-only, 320 programs x 16 KB": (load_only(16, 256, 4), rot),
+        "load-only, 160 programs x 32 KB": (load_only(32, 256, 8), rot),
+        "load-only, 80 programs x 64 KB": (load_only(32, 512, 8), rot),
         "router gemm 1 token, rotating weights": (lambda x, w: rt.router_gemm(x, w, config=k), rot),
         "router gemm 1 token, one weight (L2)": (lambda x, w: rt.router_gemm(x, w, config=k), hot),
         "cuBLAS fp32 1 token, one weight (L2)": (lambda x, w: F.linear(x.float(), w), hot),
@@ -89,6 +125,22 @@ def probe(weights) -> list[dict]:
         us = time_per_call(fn, sets)
         out.append(dict(probe=name, us=round(us, 2)))
         print(out[-1], flush=True)
+    for tokens in (1, 16, 64):
+        xt = torch.randn(tokens, HIDDEN, device="cuda").to(torch.bfloat16)
+        for config in PROBE_CONFIGS:
+            cfg = (
+                config if tokens <= 16 else rt.GemmConfig(**{**config.__dict__, "max_block_t": 64})
+            )
+            fn = lambda x, w, c=cfg: rt.router_gemm(x, w, config=c)
+            try:
+                err = logits_error(fn(xt, weights[0]), xt, weights[0])
+                us = time_per_call(fn, [(xt, w) for w in weights])
+            except Exception as exc:  # a tiling over the chip's limits: record, go on
+                print(f"  {cfg}: {type(exc).__name__}: {exc}"[:300], flush=True)
+                continue
+            out.append(dict(probe="router gemm", tokens=tokens, config=repr(cfg), us=round(us, 2),
+                            rel_err=float(f"{err:.2e}")))  # fmt: skip
+            print(out[-1], flush=True)
     return out
 
 
