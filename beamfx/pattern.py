@@ -240,13 +240,21 @@ class FusionPass:
             # The largest pattern wins: a node is offered to the variants that cover the
             # most ops first (with the all-reduce and finalize before without them).
             variants = [v for rule in self.rules for v in rule.variants]
-            for v in sorted(variants, key=lambda v: -_size(v.pattern)):
-                replace = _positional(v.rule.replace, v.names, v.present, v.rule)
-                pm.register_graph_pattern(
-                    v.pattern, extra_check=self._checker(v), pass_dict=matcher
-                )(_replacer(replace, v.names, v.rule.specs))
+            variants.sort(key=lambda v: -_size(v.pattern))
+            for v in variants:
+                self._register(v, matcher)
+            # Per variant (in registration order), the target sets of its ops: a graph
+            # must hold a node of each set for the variant to match there.
+            self._variant_ops = [(v, _op_sets(v.pattern)) for v in variants]
+            self._sub_matchers = {}
             self._matcher = matcher
         return self._matcher
+
+    def _register(self, v: _Variant, matcher: pm.PatternMatcherPass) -> None:
+        replace = _positional(v.rule.replace, v.names, v.present, v.rule)
+        pm.register_graph_pattern(v.pattern, extra_check=self._checker(v), pass_dict=matcher)(
+            _replacer(replace, v.names, v.rule.specs)
+        )
 
     def _checker(self, variant: _Variant) -> Callable[[pm.Match], bool]:
         scalars = {n: t for n, t in variant.rule.specs.items() if t in (float, int, bool, str)}
@@ -306,8 +314,31 @@ class FusionPass:
     def apply(self, graph: torch.fx.Graph) -> int:
         """Rewrite every match in `graph`; return the number of matches replaced."""
         self.rejections = []
-        matcher = self.matcher()
+        matcher = self._matcher_for(graph)
+        if matcher is None:
+            return 0
         return matcher.apply(graph)  # it removes what the rewrites left dead
+
+    def _matcher_for(self, graph: torch.fx.Graph) -> pm.PatternMatcherPass | None:
+        """The matcher over the variants that can match in `graph`: those whose every op
+        occurs there. Inductor's matcher offers each node of an anchor op to every
+        pattern rooted there, so variants that cannot match still cost a scan; the
+        filtered matchers are kept per set of variants."""
+        full = self.matcher()
+        present = {n.target for n in graph.nodes if n.op.startswith("call_")}
+        live = tuple(
+            i for i, (v, ops_) in enumerate(self._variant_ops) if all(o & present for o in ops_)
+        )
+        if not live:
+            return None
+        if len(live) == len(self._variant_ops):
+            return full
+        if live not in self._sub_matchers:
+            matcher = pm.PatternMatcherPass(pass_name=f"beamfx.{self.name}")
+            for i in live:
+                self._register(self._variant_ops[i][0], matcher)
+            self._sub_matchers[live] = matcher
+        return self._sub_matchers[live]
 
     def anchors(self) -> set[Any]:
         """The ops `explain` reports on: declared, else the roots of the rules' patterns."""
@@ -658,6 +689,27 @@ def _size(p: pm.PatternExpr) -> int:
         return 0
 
     return count(p)
+
+
+def _op_sets(p: pm.PatternExpr) -> list[frozenset]:
+    """The target sets (`fns`) of every op a pattern matches, deduplicated."""
+    out, seen, stack = set(), set(), [p]
+    while stack:
+        q = stack.pop()
+        if id(q) in seen:
+            continue
+        seen.add(id(q))
+        if isinstance(q, pm.MultiOutputPattern):
+            stack.extend(o for o in q.outputs if o is not None)
+            continue
+        if isinstance(q, pm._TargetExpr):
+            out.add(frozenset(q.fns))
+        for a in [*getattr(q, "args", ()), *getattr(q, "kwargs", {}).values()]:
+            if isinstance(a, pm.PatternExpr):
+                stack.append(a)
+            elif isinstance(a, (list, tuple)):
+                stack.extend(x for x in a if isinstance(x, pm.PatternExpr))
+    return list(out)
 
 
 def _root_pattern(p: pm.PatternExpr) -> pm.PatternExpr:

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from beamfx import ops as ir
-from beamfx.passes import PASSES, UnknownPassError, resolve
+from beamfx.passes import PASSES, UnknownPassError, get_pass, resolve
 from beamfx.pattern import Act, FusionPass, H, T, dtype_in
 from beamfx.pipeline import PassManager
 from beamfx.testing import assert_fusion, compile_with
@@ -92,3 +92,23 @@ def test_explain_says_where_the_pattern_diverged():
     (why,) = [e for r in res.manager.reports for e in r.explain]
     assert why.constraint is None and why.reason.startswith("pattern diverged")
     assert "multiple_users" in why.reason or "users" in why.reason
+
+
+def test_a_pass_offers_nodes_only_to_variants_whose_ops_all_occur():
+    """Variants with an op absent from the graph cannot match: they are not scanned."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x = torch.randn(4, 8)
+    no_relu = make_fx(lambda x: torch.sigmoid(x) * 2.0)(x).graph
+    assert scaled_relu._matcher_for(no_relu) is None
+    assert scaled_relu.apply(no_relu) == 0
+    with_relu = make_fx(lambda x: torch.relu(x) * 2.0)(x).graph
+    assert scaled_relu._matcher_for(with_relu) is scaled_relu.matcher()
+    assert scaled_relu.apply(with_relu) == 1
+
+    canon = get_pass("canonicalize")
+    full = canon.matcher()
+    sub = canon._matcher_for(make_fx(lambda a, b: a * 0.5 + b)(x, x).graph)
+    assert sub is not None and sub is not full
+    count = lambda m: sum(len(v) for v in m.patterns.values())  # noqa: E731
+    assert 0 < count(sub) < count(full)
