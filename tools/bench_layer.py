@@ -208,6 +208,10 @@ def main() -> None:
     ap.add_argument("--replot", metavar="JSON",
                     help="only rewrite the summary and plot of a results JSON")  # fmt: skip
     args = ap.parse_args()
+    # Every compiled row recompiles the same forward (new backend, new shapes): past
+    # Dynamo's default limit of 8 it would run that row eagerly without a word.
+    torch._dynamo.config.recompile_limit = 256
+    torch._dynamo.config.accumulated_recompile_limit = 4096
     if args.replot:
         with open(args.replot) as f:
             data = json.load(f)
@@ -301,6 +305,9 @@ ROWS_RUN = """\
 - **beamfx**: `beamfx.compile(passes="all")`: attention gate, router GEMM (Triton split-K from
   2 to 1024 tokens, cuBLAS outside) with routing, MegaMoE (Triton, bf16 or NVFP4 W4A16,
   finalize folded into FC2), two fused boundaries per layer (Triton), the rest as compile.
+- **beamfx, finalize in boundary** (`--finalize-in-boundary`): the passes in the order
+  attn_gate, router_gemm, boundary, mega_moe: the experts write their k rows each and the
+  second boundary kernel finalizes them.
 - Attention in every row: `F.scaled_dot_product_attention` with a boolean mask (cuDNN or
   memory-efficient kernels as torch picks); decode rows run without a KV cache.
 - One GPU: TP8 rows are one rank's shapes (heads, experts' intermediate / 8) without the
@@ -331,7 +338,10 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "| --- | --- | --- | --- | ---: |" + " ---: |" * (len(names) + 3),
     ]
     for r in rows:
-        cell = [f"{r[v]['us']} ({r[v]['launches']})" for v in names]
+        cell = [
+            f"{r[v]['us']} ({r[v]['launches']})" if r[v].get("us") is not None else "-"
+            for v in names
+        ]
         pct = f"{100 * r['floor_us'] / r['beamfx']['us']:.0f}%" if r["floor_us"] else ""
         lines.append(
             f"| {r['experts']} | {r['tp']} | {r['layer'].split('_')[0]} | {r['phase']} | "
@@ -377,9 +387,10 @@ def plot(rows: list[dict], stem: str) -> None:
         sel = [r for r in rows if (r["experts"], r["tp"], r["layer"]) == (experts, tp, layer)]
         tokens = [r["tokens"] for r in sel]
         for v in variants:
-            top.plot(tokens, [r[v]["us"] for r in sel], marker="o", label=v)
+            us = [r[v]["us"] if r[v].get("us") is not None else float("nan") for r in sel]
+            top.plot(tokens, us, marker="o", label=v)
             if sel[0]["floor_us"]:
-                share = [100 * r["floor_us"] / r[v]["us"] for r in sel]
+                share = [100 * r["floor_us"] / u for r, u in zip(sel, us)]
                 bottom.plot(tokens, share, marker="o", label=v)
         if sel[0]["floor_us"]:
             top.plot(tokens, [r["floor_us"] for r in sel], "k--", label="weight-read floor")
