@@ -28,6 +28,7 @@ import inspect
 import itertools
 import operator
 import typing
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -476,7 +477,7 @@ def _substituted(gm: torch.fx.GraphModule, sentinels: dict[Any, Any]):
         return a
 
     saved = []
-    for node in gm.graph.nodes if sentinels else ():
+    for node in _sentinel_nodes(gm) if sentinels else ():
         args = pm.pytree.tree_map(sub, node.args, is_leaf=_is_node)
         kwargs = pm.pytree.tree_map(sub, node.kwargs, is_leaf=_is_node)
         if args != node.args or kwargs != node.kwargs:
@@ -491,6 +492,26 @@ def _substituted(gm: torch.fx.GraphModule, sentinels: dict[Any, Any]):
 
 def _is_node(a: Any) -> bool:
     return isinstance(a, torch.fx.Node)
+
+
+_SENTINEL_NODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _sentinel_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The nodes of a cached replacement whose arguments hold a float or str constant (the
+    only places a sentinel can sit), found once per graph."""
+    found = _SENTINEL_NODES.get(gm)
+    if found is None:
+        found = [
+            n
+            for n in gm.graph.nodes
+            if any(
+                isinstance(a, (float, str)) and not isinstance(a, bool)
+                for a in pm.pytree.tree_leaves((n.args, n.kwargs), is_leaf=_is_node)
+            )
+        ]
+        _SENTINEL_NODES[gm] = found
+    return found
 
 
 INLINER = Inliner()
