@@ -8,6 +8,7 @@ It records a report per graph: matches per pass, nodes before/after, and `explai
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import time
@@ -165,12 +166,19 @@ def op_counts(graph: torch.fx.Graph) -> dict[str, int]:
     """How many calls of each beamfx op (and all-reduce collectives) the graph holds."""
     c = Counter()
     for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        name = str(node.target)
-        if name.startswith("beamfx.") or "all_reduce" in name:
-            c[name.removesuffix(".default")] += 1
+        if node.op == "call_function":
+            name = _reported_name(node.target)
+            if name is not None:
+                c[name] += 1
     return dict(sorted(c.items()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _reported_name(target: Any) -> str | None:
+    name = str(target)
+    if name.startswith("beamfx.") or "all_reduce" in name:
+        return name.removesuffix(".default")
+    return None
 
 
 _FRAMEWORK_HASH = _framework_hash()
