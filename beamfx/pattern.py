@@ -545,10 +545,11 @@ def _positional(fn: Callable, names: list[str], present: tuple[str, ...], rule: 
     """`fn` called with `names` positionally; absent optionals as None, others defaulted."""
     fixed = {n: None for n in rule.optional() if n not in present}
     defaults = rule.defaults()
+    params = _params(fn)
 
     def call(*args):
         kwargs = {**defaults, **fixed, **dict(zip(names, args))}
-        return fn(**{k: v for k, v in kwargs.items() if k in _params(fn)})
+        return fn(**{k: v for k, v in kwargs.items() if k in params})
 
     call.__signature__ = inspect.Signature(
         [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names]
@@ -617,11 +618,13 @@ def _trace_one(rule: Rule, present: tuple[str, ...], act: torch.dtype) -> _Varia
     gm = _trace(fn, examples)
     used = _used_names(gm, names, sentinels, strings)
     if used != names:  # drop parameters this variant never reads (e.g. eps of an absent norm)
-        keep = [i for i, n in enumerate(names) if n in used]
-        names = [names[i] for i in keep]
-        examples = [examples[i] for i in keep]
-        fn = _positional(rule.search, names, present, rule)
-        gm = _trace(fn, examples)
+        # An unread parameter's placeholder has no users, so the graph without it is the
+        # graph a trace without it would give; erasing it saves that second trace.
+        placeholders = gm.graph.find_nodes(op="placeholder")
+        for name, ph in zip(names, placeholders):
+            if name not in used:
+                gm.graph.erase_node(ph)
+        names = used
     numeric = {n: v for n, v in sentinels.items() if n in names and v is not True}
     pattern = pm.fx_to_pattern(gm, ignore_types=(), argnames=names, scalar_workaround=numeric)
     bools = {n for n, v in sentinels.items() if n in names and v is True}
@@ -632,14 +635,15 @@ def _trace_one(rule: Rule, present: tuple[str, ...], act: torch.dtype) -> _Varia
 def _trace(fn: Callable, examples: list[Any]) -> torch.fx.GraphModule:
     """Trace on fake tensors: ops run their fake impls (collectives need no process group)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
-    with FakeTensorMode() as mode:
+    # Only the graph is read (to a pattern): lazy modules skip generating Python code.
+    with FakeTensorMode() as mode, _use_lazy_graph_module(True):
         fakes = [mode.from_tensor(e) if isinstance(e, torch.Tensor) else e for e in examples]
         gm = pm.fwd_only(fn, fakes)
     # Inductor turns views into reshapes before post-grad custom passes run; so do we.
     for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
         node.target = torch.ops.aten.reshape.default
-    gm.recompile()
     return gm
 
 
