@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch._inductor import pattern_matcher as pm
 
+from beamfx import pattern_cache
+
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Example sizes for named dims: distinct, so a pattern that confuses two dims fails to trace.
 DIM_SIZES = {"t": 6, "h": 32, "k": 2, "e": 8, "i": 16, "d": 8, "n": 4, "v": 24}
@@ -236,8 +238,10 @@ class FusionPass:
     def matcher(self) -> pm.PatternMatcherPass:
         if self._matcher is None:
             matcher = pm.PatternMatcherPass(pass_name=f"beamfx.{self.name}")
+            graphs = pattern_cache.open_cache(self.name)
             for rule in self.rules:
-                rule.variants = list(_trace_variants(rule))
+                rule.variants = list(_trace_variants(rule, graphs))
+            graphs.save()
             # The largest pattern wins: a node is offered to the variants that cover the
             # most ops first (with the all-reduce and finalize before without them).
             variants = [v for rule in self.rules for v in rule.variants]
@@ -572,7 +576,7 @@ def _params(fn: Callable) -> set[str]:
     return set(inspect.signature(fn).parameters)
 
 
-def _trace_variants(rule: Rule):
+def _trace_variants(rule: Rule, graphs: pattern_cache.GraphCache):
     """Trace every (optional pieces present) x (activation dtype) variant of a rule."""
     optional = rule.optional()
     seen: set[str] = set()
@@ -580,7 +584,7 @@ def _trace_variants(rule: Rule):
         for present in itertools.combinations(optional, k):
             by_pattern: dict[str, _Variant] = {}
             for act in rule.dtypes:
-                v = _trace_one(rule, present, act)
+                v = _trace_one(rule, present, act, graphs)
                 key = str(v.pattern)
                 if key in by_pattern:
                     by_pattern[key].act_dtypes.add(act)
@@ -591,7 +595,9 @@ def _trace_variants(rule: Rule):
             yield from by_pattern.values()
 
 
-def _trace_one(rule: Rule, present: tuple[str, ...], act: torch.dtype) -> _Variant | None:
+def _trace_one(
+    rule: Rule, present: tuple[str, ...], act: torch.dtype, graphs: pattern_cache.GraphCache
+) -> _Variant:
     absent = set(rule.optional()) - set(present)
     names = [n for n in inspect.signature(rule.search).parameters if n not in absent]
     examples, sentinels, strings = [], {}, {}
@@ -614,17 +620,22 @@ def _trace_one(rule: Rule, present: tuple[str, ...], act: torch.dtype) -> _Varia
             examples.append(_STR_SENTINEL.format(n))
         else:
             raise TypeError(f"pattern {rule.name}: parameter {n!r} has unsupported spec {spec!r}")
-    fn = _positional(rule.search, names, present, rule)
-    gm = _trace(fn, examples)
-    used = _used_names(gm, names, sentinels, strings)
-    if used != names:  # drop parameters this variant never reads (e.g. eps of an absent norm)
-        # An unread parameter's placeholder has no users, so the graph without it is the
-        # graph a trace without it would give; erasing it saves that second trace.
-        placeholders = gm.graph.find_nodes(op="placeholder")
-        for name, ph in zip(names, placeholders):
+    key = pattern_cache.entry_key(rule.search, rule.specs, present, act)
+    cached = graphs.get(key) if key is not None else None
+    if cached is not None:
+        names, gm = cached[0], _graph_module(cached[1])
+    else:
+        gm = _trace(_positional(rule.search, names, present, rule), examples)
+        used = _used_names(gm, names, sentinels, strings)
+        # Drop parameters this variant never reads (e.g. eps of an absent norm): an unread
+        # parameter's placeholder has no users, so erasing it gives the graph a trace
+        # without it would give.
+        for name, ph in zip(names, gm.graph.find_nodes(op="placeholder")):
             if name not in used:
                 gm.graph.erase_node(ph)
         names = used
+        if key is not None:
+            graphs.put(key, names, gm.graph)
     numeric = {n: v for n, v in sentinels.items() if n in names and v is not True}
     pattern = pm.fx_to_pattern(gm, ignore_types=(), argnames=names, scalar_workaround=numeric)
     bools = {n for n, v in sentinels.items() if n in names and v is True}
@@ -645,6 +656,13 @@ def _trace(fn: Callable, examples: list[Any]) -> torch.fx.GraphModule:
     for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
         node.target = torch.ops.aten.reshape.default
     return gm
+
+
+def _graph_module(graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+
+    with _use_lazy_graph_module(True):
+        return _make_graph_module(torch.nn.Module(), graph)
 
 
 def _used_names(gm, names, sentinels, strings) -> list[str]:
