@@ -144,11 +144,94 @@ def probe(weights) -> list[dict]:
     return out
 
 
+GEMV_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def gemv_sweep_configs() -> list:
+    """Few-token kernel tilings: a K loop (block_k per step) or the whole row at once
+    (one_shot, optionally read before the programmatic-dependent-launch wait)."""
+    configs = []
+    for block_e in (1, 2):
+        for block_t in (1, 2, 4, 8):
+            for block_k in (512, 1024):
+                for warps in (4, 8):
+                    for pdl in (False, True):
+                        configs.append(rt.GemvConfig(block_e, block_t, block_k, warps, False, pdl))
+            for warps in (8, 16):
+                for pdl in (False, True):
+                    if block_t <= 4 or warps == 16:
+                        configs.append(rt.GemvConfig(block_e, block_t, 4096, warps, True, pdl))
+    return configs
+
+
+def gemv_sweep(weights, bias, tokens_list=GEMV_TOKENS) -> list[dict]:
+    """Every few-token tiling at 1-64 tokens beside the split-K default and cuBLAS fp32, then
+    routing (fused, and as a second kernel with and without programmatic dependent launch)
+    behind the two best tilings."""
+    out = []
+    for tokens in tokens_list:
+        xs = [torch.randn(tokens, HIDDEN, device="cuda").to(torch.bfloat16) for _ in weights]
+        sets = [(x, w) for x, w in zip(xs, weights)]
+        x0, w0 = sets[0]
+        split_k = next(c for bound, c in rt.GEMM_CONFIGS if tokens <= bound)
+        cases = [("split-K default", split_k), ("cuBLAS fp32", None)]
+        pow2 = triton.next_power_of_2(tokens)
+        cases += [(repr(c), c) for c in gemv_sweep_configs()
+                  if c.block_t <= pow2 and tokens <= 16 * c.block_t]  # fmt: skip
+        timed = []
+        for name, cfg in cases:
+            if cfg is None:
+                fn = lambda x, w: F.linear(x.float(), w)
+            else:
+                fn = lambda x, w, c=cfg: rt.router_gemm(x, w, config=c)
+            try:
+                err = logits_error(fn(x0, w0), x0, w0)
+                us = time_per_call(fn, sets)
+            except Exception as exc:  # a tiling over the chip's limits: record, go on
+                print(f"  {tokens} {name}: {type(exc).__name__}: {exc}"[:300], flush=True)
+                continue
+            row = dict(tokens=tokens, kernel=name, us=round(us, 2), rel_err=float(f"{err:.2e}"))
+            out.append(row)
+            if isinstance(cfg, rt.GemvConfig):
+                timed.append((us, cfg))
+            print(row, flush=True)
+        for _, cfg in sorted(timed, key=lambda t: t[0])[:2]:
+            for fused, route_pdl in ((True, False), (False, False), (False, True)):
+                rt.ROUTE_PDL = route_pdl
+                fn = lambda x, w, c=cfg, f=fused: routing(x, w, bias, f, c)
+                wts, ids = fn(x0, w0)
+                _, ref_ids = reference.routed_topk(x0, w0, bias, TOP_K, N_GROUP, TOPK_GROUP, True)
+                differ = int((ids.sort(1).values != ref_ids.sort(1).values).any(1).sum())
+                us = time_per_call(fn, sets)
+                how = "fused" if fused else "second kernel" + (", PDL" if route_pdl else "")
+                row = dict(tokens=tokens, kernel=repr(cfg), routing=how, us=round(us, 2),
+                           ids_differ=differ)  # fmt: skip
+                out.append(row)
+                print(row, flush=True)
+            rt.ROUTE_PDL = True
+        # The routing kernel alone, on logits already computed.
+        logits = [rt.router_gemm(x, w) for x, w in sets]
+        wts = torch.empty(tokens, TOP_K, device="cuda")
+        ids = torch.empty(tokens, TOP_K, dtype=torch.int32, device="cuda")
+        for route_pdl in (False, True):
+            rt.ROUTE_PDL = route_pdl
+            fn = lambda lg, wts=wts, ids=ids: rt._launch_route(
+                lg, bias, wts, ids, TOP_K, N_GROUP, TOPK_GROUP, True
+            )
+            us = time_per_call(fn, [(lg,) for lg in logits])
+            row = dict(tokens=tokens, kernel="routing kernel alone", pdl=route_pdl, us=round(us, 2))
+            out.append(row)
+            print(row, flush=True)
+        rt.ROUTE_PDL = True
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--sweep", action="store_true", help="also sweep the GEMM tiling")
     ap.add_argument("--probe", action="store_true", help="only place a 1-token call's time")
+    ap.add_argument("--gemv-sweep", action="store_true", help="only sweep the few-token kernel")
     ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -159,6 +242,21 @@ def main() -> None:
         torch.randn(EXPERTS, HIDDEN, generator=gen, device="cuda") / HIDDEN**0.5
         for _ in range(N_WEIGHTS)
     ]
+    if args.gemv_sweep:
+        meta = dict(
+            device=torch.cuda.get_device_name(),
+            torch=torch.__version__,
+            triton=triton.__version__,
+            date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            timing=f"CUDA-graph replay median per call over {N_WEIGHTS} rotating weights",
+            copy_bandwidth_GBps=round(bw / 1e9, 1),
+            floor_us=round(floor_us, 3),
+        )
+        bias = torch.randn(EXPERTS, generator=gen, device="cuda") * 0.05
+        with open(os.path.join(args.out, "router_gemv_sweep.json"), "w") as f:
+            tokens = [t for t in args.tokens if t in GEMV_TOKENS]
+            json.dump(dict(meta=meta, rows=gemv_sweep(weights, bias, tokens)), f, indent=1)
+        return
     if args.probe:
         meta = dict(
             device=torch.cuda.get_device_name(),

@@ -1,12 +1,17 @@
 """Triton providers of the MoE router: a low-latency router GEMM (bf16 x fp32 -> fp32
 logits) for small token counts, and the grouped top-k routing fused behind it.
 
-The GEMM splits K over many programs so that the whole chip streams the weight once. The
-fp32 weight is split exactly into three bf16 pieces (w = w1 + w2 + w3), so the bf16
-tensor-core products are exact and the fp32 accumulation gives fp32-GEMM accuracy. The
-last program to finish an output tile sums the split partials in a fixed order: one
-launch, deterministic. Above `TRITON_MAX_TOKENS` tokens cuBLAS serves
-(`F.linear(x.float(), w)`), chosen per call, so no shape recompiles.
+Up to `GEMV_MAX_TOKENS` tokens, each program owns whole weight rows and computes its
+logits with fp32 FMAs over all of K: no split, no fixup, one launch. At 1-4 tokens it holds
+the whole row and, launched with programmatic dependent launch (Hopper and later), reads it
+before waiting for the kernel that writes x, so the weight read overlaps that kernel's tail.
+Above, the GEMM splits K over many programs so that the whole chip streams the weight once;
+the fp32 weight is split exactly into three bf16 pieces (w = w1 + w2 + w3), so the bf16
+tensor-core products are exact and the fp32 accumulation gives fp32-GEMM accuracy, and the
+last program to finish an output tile sums the split partials in a fixed order (one launch,
+deterministic). Above `TRITON_MAX_TOKENS` tokens cuBLAS serves (`F.linear(x.float(), w)`).
+Every choice is made per call, so no shape recompiles. `BEAMFX_PDL=0` turns programmatic
+dependent launch off.
 """
 
 from __future__ import annotations
@@ -27,12 +32,21 @@ except ImportError:  # no Triton on this platform: the reference serves
     triton = None
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Programmatic dependent launch: Hopper and later, with a Triton that exposes it.
+_PDL = (
+    os.environ.get("BEAMFX_PDL", "1") != "0"
+    and triton is not None
+    and not _INTERPRET
+    and hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait")
+    and torch.cuda.is_available()
+    and torch.cuda.get_device_capability()[0] >= 9
+)
 # Token counts up to this run the Triton GEMM; above, cuBLAS (measured crossover on an
 # H200, bench/NOTES.md).
 TRITON_MAX_TOKENS = 1024
-# Below this, cuBLAS as well: at 1 token its GEMV (8.6 us) beat the split-K kernel (10.6 us)
-# on an H200 (bench/results/router.md); from 2 tokens cuBLAS fp32 takes 19-24 us.
-TRITON_MIN_TOKENS = 2
+# Below this, cuBLAS as well (none: the whole-row kernel beats cuBLAS's 7.7-8.6 us GEMV at
+# 1 token on an H200, bench/results/router.md).
+TRITON_MIN_TOKENS = 1
 # Routing in Triton needs power-of-two tiles: experts and group sizes.
 MAX_EXPERTS = 1024
 _MAX_TILES = 2048
@@ -127,10 +141,14 @@ if triton is not None:
         TOP_K: tl.constexpr,
         K_POW2: tl.constexpr,
         RENORM: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         rows = row0 + tl.arange(0, ROWS)
         experts = tl.arange(0, E)
         row_ok = rows < n_tokens
+        bias = tl.load(bias_ptr + experts).to(tl.float32)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         # .cg: the logits may come from other programs of this launch; bypass L1.
         logits = tl.load(
             logits_ptr + rows[:, None] * E + experts[None, :],
@@ -138,7 +156,6 @@ if triton is not None:
             other=0.0,
             cache_modifier=".cg",
         )
-        bias = tl.load(bias_ptr + experts).to(tl.float32)
         weights, ids = _route(logits, bias, ROWS, E, N_GROUP, TOPK_GROUP, TOP_K, K_POW2, RENORM)
         slots = tl.arange(0, K_POW2)
         out = rows[:, None] * TOP_K + slots[None, :]
@@ -160,11 +177,12 @@ if triton is not None:
         TOP_K: tl.constexpr,
         K_POW2: tl.constexpr,
         RENORM: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         row0 = tl.program_id(0) * ROWS
         _route_rows(
             logits_ptr, bias_ptr, weights_ptr, ids_ptr, row0, n_tokens,
-            ROWS, E, N_GROUP, TOPK_GROUP, TOP_K, K_POW2, RENORM,
+            ROWS, E, N_GROUP, TOPK_GROUP, TOP_K, K_POW2, RENORM, PDL,
         )  # fmt: skip
 
     @triton.jit
@@ -299,6 +317,109 @@ if triton is not None:
                     BLOCK_T, ROUTE_ROWS, E_ROUTE, N_GROUP, TOPK_GROUP, TOP_K, K_POW2, RENORM,
                 )  # fmt: skip
 
+    @triton.jit
+    def _gemv_w(w_ptr, e, e_ok, k, HIDDEN: tl.constexpr):
+        return tl.load(
+            w_ptr + e[:, None].to(tl.int64) * HIDDEN + k[None, :],
+            mask=e_ok[:, None] & (k < HIDDEN)[None, :],
+            other=0.0,
+            eviction_policy="evict_first",
+        ).to(tl.float32)
+
+    @triton.jit
+    def _gemv_x(x_ptr, t, t_ok, k, HIDDEN: tl.constexpr):
+        # Four activations per thread, as the fp32 weight: the same register layout.
+        xk = tl.max_contiguous(k, 4)
+        return tl.load(
+            x_ptr + t[:, None].to(tl.int64) * HIDDEN + xk[None, :],
+            mask=t_ok[:, None] & (k < HIDDEN)[None, :],
+            other=0.0,
+        ).to(tl.float32)
+
+    @triton.jit(do_not_specialize=["n_tokens"])
+    def _router_gemv_kernel(
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        bias_ptr,
+        weights_ptr,
+        ids_ptr,
+        route_count_ptr,
+        n_tokens,
+        n_experts,
+        HIDDEN: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_B: tl.constexpr,
+        ONE_SHOT: tl.constexpr,
+        PDL: tl.constexpr,
+        ROUTE: tl.constexpr,
+        E_ROUTE: tl.constexpr,
+        N_GROUP: tl.constexpr,
+        TOPK_GROUP: tl.constexpr,
+        TOP_K: tl.constexpr,
+        K_POW2: tl.constexpr,
+        RENORM: tl.constexpr,
+    ):
+        # Program (e, 0, t) owns whole weight rows: logits[t-tile, e-tile] in fp32 FMAs over
+        # all of K, no split and no fixup. Its rows are (token, expert) pairs, so the weight
+        # and activation tiles share one layout (no shared-memory round trip per K step).
+        # The K loop is unrolled: the loads are issued ahead of the FMAs that need them.
+        # ONE_SHOT holds the whole row (a BLOCK_K tile + a BLOCK_B tile) and, with PDL
+        # (programmatic dependent launch), reads it before waiting for the kernel that
+        # writes x: the weight read overlaps that kernel's tail.
+        pid_e = tl.program_id(0)
+        pid_t = tl.program_id(2)
+        R: tl.constexpr = BLOCK_E * BLOCK_T
+        rows = tl.arange(0, R)
+        e = pid_e * BLOCK_E + rows % BLOCK_E
+        t = pid_t * BLOCK_T + rows // BLOCK_E
+        e_ok = e < n_experts
+        t_ok = t < n_tokens
+        if ONE_SHOT:
+            ka = tl.arange(0, BLOCK_K)
+            kb = BLOCK_K + tl.arange(0, BLOCK_B if BLOCK_B > 0 else 1)
+            wa = _gemv_w(w_ptr, e, e_ok, ka, HIDDEN)
+            if BLOCK_B > 0:
+                wb = _gemv_w(w_ptr, e, e_ok, kb, HIDDEN)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
+            acc = _gemv_x(x_ptr, t, t_ok, ka, HIDDEN) * wa
+            logits = tl.sum(acc, axis=1)
+            if BLOCK_B > 0:
+                logits += tl.sum(_gemv_x(x_ptr, t, t_ok, kb, HIDDEN) * wb, axis=1)
+        else:
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
+            acc = tl.zeros([R, BLOCK_K], dtype=tl.float32)
+            for k0 in tl.static_range(0, HIDDEN, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                acc += _gemv_x(x_ptr, t, t_ok, k, HIDDEN) * _gemv_w(w_ptr, e, e_ok, k, HIDDEN)
+            logits = tl.sum(acc, axis=1)
+        tl.store(out_ptr + t * n_experts + e, logits, mask=t_ok & e_ok)
+        if ROUTE:
+            _route_when_last(
+                out_ptr, bias_ptr, weights_ptr, ids_ptr, route_count_ptr, n_tokens,
+                BLOCK_T, 1, E_ROUTE, N_GROUP, TOPK_GROUP, TOP_K, K_POW2, RENORM,
+            )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tiling of the few-token router kernel: whole weight rows per program, fp32 FMAs."""
+
+    block_e: int
+    block_t: int
+    block_k: int  # K step; with one_shot, the row's first tile (the rest: a second tile)
+    num_warps: int
+    one_shot: bool = False
+    # Programmatic dependent launch: one_shot reads the weight before waiting for the
+    # kernel that writes x; the K loop waits first (only the launch overlaps).
+    pdl: bool = False
+
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -328,10 +449,28 @@ GEMM_CONFIGS: list[tuple[int, GemmConfig]] = [
 # last programs (which serializes the rows of a token block).
 ROUTE_ROWS = 1
 ROUTE_WARPS = 1
+# The routing kernel launched with programmatic dependent launch: its launch and the bias
+# load overlap the GEMM before it.
+ROUTE_PDL = True
 FUSED_ROUTING = False
 
 
-def _gemm_config(n_tokens: int) -> GemmConfig:
+# Few tokens: whole weight rows per program (GemvConfig), by token count (first whose bound
+# holds), up to GEMV_MAX_TOKENS; the split-K MMA kernel above. Measured on an H200
+# (bench/NOTES.md).
+GEMV_CONFIGS: list[tuple[int, GemvConfig]] = [
+    (1, GemvConfig(block_e=2, block_t=1, block_k=4096, num_warps=8, one_shot=True, pdl=True)),
+    (2, GemvConfig(block_e=1, block_t=2, block_k=4096, num_warps=16, one_shot=True, pdl=True)),
+    (4, GemvConfig(block_e=1, block_t=4, block_k=4096, num_warps=8, one_shot=True, pdl=True)),
+    (8, GemvConfig(block_e=1, block_t=8, block_k=512, num_warps=8, pdl=True)),
+    (16, GemvConfig(block_e=1, block_t=8, block_k=512, num_warps=4, pdl=True)),
+]
+GEMV_MAX_TOKENS = 16
+
+
+def _gemm_config(n_tokens: int) -> GemmConfig | GemvConfig:
+    if n_tokens <= GEMV_MAX_TOKENS:
+        return next(c for bound, c in GEMV_CONFIGS if n_tokens <= bound)
     return next(c for bound, c in GEMM_CONFIGS if n_tokens <= bound)
 
 
@@ -374,6 +513,9 @@ def _launch_gemm(
     n_tokens, hidden = x2d.shape
     n_experts = weight.shape[0]
     config = config or _gemm_config(n_tokens)
+    if isinstance(config, GemvConfig):
+        _launch_gemv(x2d, weight, logits, route, config)
+        return
     block_t = min(config.max_block_t, max(16, triton.next_power_of_2(n_tokens)))
     n_splits = triton.cdiv(hidden, config.k_chunk)
     split_pow2 = triton.next_power_of_2(n_splits)
@@ -429,8 +571,60 @@ def _launch_gemm(
     )
 
 
+def _launch_gemv(x2d, weight, logits, route, config: GemvConfig) -> None:
+    n_tokens, hidden = x2d.shape
+    n_experts = weight.shape[0]
+    grid = (triton.cdiv(n_experts, config.block_e), 1, triton.cdiv(n_tokens, config.block_t))
+    block_k = min(config.block_k, triton.next_power_of_2(hidden))
+    block_b = 0
+    if config.one_shot and block_k < hidden:
+        # The row as two tiles: block_k, then the rest padded to a power of two.
+        block_b = triton.next_power_of_2(hidden - block_k)
+        if block_b > block_k:
+            raise ValueError(f"router_gemm: one-shot tile {block_k} + {block_b} < {hidden}")
+    pdl = config.pdl and x2d.device.type == "cuda" and _PDL
+    if route is None:
+        bias, weights, ids = logits, logits, logits
+        n_group = topk_group = top_k = 1
+        renormalize = False
+        route_count = logits
+    else:
+        bias, weights, ids, top_k, n_group, topk_group, renormalize = route
+        if grid[2] > _MAX_TILES:
+            raise ValueError(f"router_gemm: {grid[2]} token tiles > {_MAX_TILES}")
+        route_count = _counters(x2d.device)[_MAX_TILES:]
+    _router_gemv_kernel[grid](
+        x2d,
+        weight,
+        logits,
+        bias,
+        weights,
+        ids,
+        route_count,
+        n_tokens,
+        n_experts,
+        HIDDEN=hidden,
+        BLOCK_E=config.block_e,
+        BLOCK_T=config.block_t,
+        BLOCK_K=block_k,
+        BLOCK_B=block_b,
+        ONE_SHOT=config.one_shot,
+        PDL=pdl,
+        ROUTE=route is not None,
+        E_ROUTE=n_experts if route is not None else 1,
+        N_GROUP=n_group,
+        TOPK_GROUP=topk_group,
+        TOP_K=top_k,
+        K_POW2=triton.next_power_of_2(top_k),
+        RENORM=bool(renormalize),
+        num_warps=config.num_warps,
+        **({"launch_pdl": True} if pdl else {}),
+    )
+
+
 def _launch_route(logits, bias, weights, ids, top_k, n_group, topk_group, renormalize) -> None:
     n_tokens, n_experts = logits.shape
+    pdl = ROUTE_PDL and _PDL and logits.device.type == "cuda"
     _route_kernel[(triton.cdiv(n_tokens, ROUTE_ROWS),)](
         logits,
         bias,
@@ -444,15 +638,18 @@ def _launch_route(logits, bias, weights, ids, top_k, n_group, topk_group, renorm
         TOP_K=top_k,
         K_POW2=triton.next_power_of_2(top_k),
         RENORM=bool(renormalize),
+        PDL=pdl,
         num_warps=ROUTE_WARPS,
+        **({"launch_pdl": True} if pdl else {}),
     )
 
 
 def router_gemm(
     x: torch.Tensor, weight: torch.Tensor, *, config: GemmConfig | None = None
 ) -> torch.Tensor:
-    """`reference.router_logits`: the Triton split-K kernel from TRITON_MIN_TOKENS to
-    TRITON_MAX_TOKENS tokens, cuBLAS outside, chosen per call.
+    """`reference.router_logits`: the Triton kernels from TRITON_MIN_TOKENS to
+    TRITON_MAX_TOKENS tokens (whole rows per program up to GEMV_MAX_TOKENS, split-K above),
+    cuBLAS outside, chosen per call.
 
     `config` forces the kernel with that tiling (benchmarks and tests).
     """

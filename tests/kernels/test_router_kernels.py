@@ -172,6 +172,10 @@ SMALL_CONFIGS = [
     rt.GemmConfig(block_e=16, k_chunk=64, block_k=32, num_warps=4),
     rt.GemmConfig(block_e=32, k_chunk=128, block_k=64, num_warps=4),
     rt.GemmConfig(block_e=16, k_chunk=4096, block_k=64, num_warps=4),  # no split
+    # Whole weight rows per program (few tokens): K tiles that do and do not divide hidden.
+    rt.GemvConfig(block_e=1, block_t=1, block_k=64, num_warps=4),
+    rt.GemvConfig(block_e=2, block_t=4, block_k=128, num_warps=4),
+    rt.GemvConfig(block_e=4, block_t=2, block_k=256, num_warps=2),
 ]
 
 
@@ -233,9 +237,13 @@ def test_interpreted_routing_with_exact_ties():
 def test_interpreted_entry_points_and_crossover(monkeypatch):
     x, w, bias = make_router(6, 256, 64, torch.float32, "cpu", seed=1)
     check_logits(rt.router_gemm(x, w), x, w)
-    # One token: cuBLAS (the reference) unless a tiling forces the kernel.
+    # One token: the few-token kernel; below TRITON_MIN_TOKENS cuBLAS (the reference) unless
+    # a tiling forces the kernel.
+    check_logits(rt.router_gemm(x[:1], w), x[:1], w)
+    monkeypatch.setattr(rt, "TRITON_MIN_TOKENS", 2)
     assert torch.equal(rt.router_gemm(x[:1], w), reference.router_logits(x[:1], w))
     check_logits(rt.router_gemm(x[:1], w, config=SMALL_CONFIGS[0]), x[:1], w)
+    monkeypatch.setattr(rt, "TRITON_MIN_TOKENS", 1)
     one = rt.routed_topk(x[:1], w, bias, 8, 8, 4, True)
     _, ref_ids = reference.routed_topk(x[:1], w, bias, 8, 8, 4, True)
     check_routing(*one, x[:1].double() @ w.double().T, bias, 8, 8, 4, True, ref_ids)
@@ -277,6 +285,31 @@ def test_gpu_gemm_beam_shape(tokens, weight_dtype):
 def test_gpu_gemm_other_shapes(hidden, experts, tokens):
     x, w, _ = make_router(tokens, hidden, experts, torch.float32, "cuda", seed=hidden + tokens)
     check_logits(rt.router_gemm(x, w), x, w)
+
+
+GEMV_CONFIGS = [
+    rt.GemvConfig(block_e=1, block_t=1, block_k=1024, num_warps=8),
+    rt.GemvConfig(block_e=2, block_t=4, block_k=512, num_warps=4),
+    rt.GemvConfig(block_e=1, block_t=2, block_k=4096, num_warps=8, one_shot=True),
+    rt.GemvConfig(block_e=2, block_t=1, block_k=4096, num_warps=16, one_shot=True, pdl=True),
+]
+
+
+@gpu
+@pytest.mark.parametrize("config", GEMV_CONFIGS, ids=repr)
+@pytest.mark.parametrize("hidden, experts", [(5120, 256), (7168, 256), (1000, 96)])
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+def test_gpu_gemv_tilings(config, hidden, experts, tokens):
+    x, w, bias = make_router(tokens, hidden, experts, torch.float32, "cuda", seed=tokens + hidden)
+    logits = torch.full((tokens, experts), float("nan"), device="cuda")
+    rt._launch_gemm(x, w, logits, None, config)
+    check_logits(logits, x, w)
+    if experts == 256:
+        args = (BEAM_ROUTING["top_k"], BEAM_ROUTING["n_group"], BEAM_ROUTING["topk_group"])
+        for fused in (True, False):
+            weights, ids = rt.routed_topk(x, w, bias, *args, True, fused=fused, config=config)
+            _, ref_ids = reference.routed_topk(x, w, bias, *args, True)
+            check_routing(weights, ids, x.double() @ w.double().T, bias, *args, True, ref_ids)
 
 
 @gpu
