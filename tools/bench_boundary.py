@@ -1,7 +1,8 @@
 """Benchmark the sublayer boundary (BEAM.md "Decoder layer") at hidden 5120, bf16.
 
 Side by side in one run, per token count (1, 4, 16, 64, 256, 1024, 4096, 16384): the Triton
-fused op, the unfused eager reference ops, and `torch.compile` (Inductor defaults, static
+fused op (launched with programmatic dependent launch where the GPU and Triton have it, and
+without), the unfused eager reference ops, and `torch.compile` (Inductor defaults, static
 shapes) of the same unfused math; the same for the MoE boundary (finalize of k=8 expert
 rows folded in) at 1, 64, 1024, 4096 tokens. Each row: CUDA-graph replay median per
 boundary; the copy-bandwidth floor (bytes read once + written once over the copy bandwidth
@@ -60,9 +61,16 @@ def drift(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     return round(equal, 3), float(f"{(got.float() - want.float()).abs().max().item():.3g}")
 
 
+def fused_no_pdl(x, r, wp, wn, ep, en, xs, rs, g, tw, scale):
+    h, y = torch.empty_like(r), torch.empty_like(r)
+    tk.boundary_into(h, y, x, r, wp, wn, ep, en, xs, rs, tw, scale, pdl=False)
+    return h, y
+
+
 def variants(compiled) -> dict:
     return {
         "triton fused": tk.fused_boundary,
+        "triton fused, no PDL": fused_no_pdl,
         "eager unfused": reference.fused_boundary,
         "torch.compile unfused": compiled,
     }
@@ -76,20 +84,21 @@ def sweep_boundary(tokens: int, sets, bw: float, topk: int) -> list[dict]:
     if tokens >= 256:
         shapes = [(p, f) for p in (sms, 2 * sms, 4 * sms, tokens) for f in (True, False)]
     out = []
-    for warps, split in [(w, s) for w in (4, 8, 16, 32) for s in (True, False)]:
+    grid = [(w, s, pdl) for w in (4, 8, 16, 32) for s in (True, False) for pdl in (False, True)]
+    for warps, split, pdl in grid:
         for progs, prefetch in shapes:
 
             def fn(x, r, wp, wn, ep, en, xs, rs, g, tw, scale, w=warps, p=progs, f=prefetch,
-                   s=split):  # fmt: skip
+                   s=split, d=pdl):  # fmt: skip
                 h, y = torch.empty_like(r), torch.empty_like(r)
                 tk.boundary_into(h, y, x, r, wp, wn, ep, en, xs, rs, tw, scale,
-                                 num_warps=w, programs=p, prefetch=f, split=s)  # fmt: skip
+                                 num_warps=w, programs=p, prefetch=f, split=s, pdl=d)  # fmt: skip
                 return h, y
 
             us = time_per_call(fn, sets)
             floor = boundary_bytes(tokens, topk) / bw * 1e6
             out.append(dict(tokens=tokens, topk=topk, warps=warps, programs=progs,
-                            prefetch=prefetch, split=split, us=round(us, 2),
+                            prefetch=prefetch, split=split, pdl=pdl, us=round(us, 2),
                             pct_floor=round(100 * floor / us, 1)))  # fmt: skip
     return out
 
