@@ -157,13 +157,27 @@ def variants(q: nvfp4.NVFP4Experts, w13b: torch.Tensor, w2b: torch.Tensor) -> di
         "bf16_triton": lambda x, i, w: tk.moe(x, i, w13b, w2b, None, w, 2.5),
         "grouped_mm_bf16": lambda x, i, w: grouped.mega_moe(x, w, i, w13b, w2b, 2.5),
         "reference": lambda x, i, w: ref.mega_moe_nvfp4(x, w, i, *q.tensors(), 2.5),
+        # the two NVFP4 kernels at decode sizes, forced: tensor-core MMA or fp32 FMAs
+        "nvfp4_mma": lambda x, i, w: tk.moe(
+            x,
+            i,
+            q.w13,
+            q.w2,
+            scales,
+            w,
+            2.5,
+            config=tk.mma_config(x.shape[0] * TOP_K, HIDDEN, w2b.shape[2], True),
+        ),  # fmt: skip
+        "nvfp4_fma": lambda x, i, w: tk.moe(
+            x, i, q.w13, q.w2, scales, w, 2.5, config=tk.fma_config()
+        ),
         # tile sweeps
         "nvfp4_config": lambda x, i, w, c: tk.moe(x, i, q.w13, q.w2, scales, w, 2.5, config=c),
         "bf16_config": lambda x, i, w, c: tk.moe(x, i, w13b, w2b, None, w, 2.5, config=c),
     }
 
 
-def bench_shape(shape, inter, token_counts, gen, bw, mm, sweep, sweeps) -> list[dict]:
+def bench_shape(shape, inter, token_counts, gen, bw, mm, sweep, sweeps, fma_sweep=False):
     q = random_experts(inter, gen)
     w13b, w2b = dense_bf16(q)
     fns = variants(q, w13b, w2b)
@@ -180,12 +194,27 @@ def bench_shape(shape, inter, token_counts, gen, bw, mm, sweep, sweeps) -> list[
         )  # fmt: skip
         x0, i0, w0 = sets[0]
         want = ref.mega_moe(x0, w0, i0, w13b, w2b, 2.5)  # = the NVFP4 reference's math
-        for name in ("nvfp4_triton", "bf16_triton", "grouped_mm_bf16"):
+        names = ["nvfp4_triton", "bf16_triton", "grouped_mm_bf16"]
+        if tokens * TOP_K <= tk.SCAN_MAX_PAIRS:
+            names += ["nvfp4_mma", "nvfp4_fma"]
+        for name in names:
             err, us = measure(fns[name], sets, want)
             row[f"{name}_us"], row[f"{name}_err"] = us, err
             print(f"{shape} T={tokens:5d} {name:16s} {us:9.1f} us  err {err:.1e}", flush=True)
         if tokens <= 8:  # host loop over experts: not graph-capturable, slow
             row["reference_us"] = time_over(fns["reference"], sets[:2], graph=False)
+        if fma_sweep and tokens * TOP_K <= tk.SCAN_MAX_PAIRS:
+            base = tk.fma_config()
+            cands = [replace(base, bn1=8), replace(base, bn1=32), replace(base, bk1=256),
+                     replace(base, bk1=1024), replace(base, bn2=16), replace(base, bn2=64),
+                     replace(base, bk2=256), replace(base, warps1=8, warps2=8),
+                     replace(base, warps1=2, warps2=2)]  # fmt: skip
+            for cfg in cands:
+                fn = functools.partial(fns["nvfp4_config"], c=cfg)
+                err, us = measure(fn, sets, want)
+                sweeps.append(dict(shape=shape, tokens=tokens, fp4=True, config=cfg.__dict__,
+                                   us=us, err=err))  # fmt: skip
+                print(f"  fma sweep {cfg}: {us:.1f} us err {err:.1e}", flush=True)
         if sweep and tokens in (1, 64, 4096):
             for fp4, name in ((True, "nvfp4"), (False, "bf16"))[: 1 if sweep == "nvfp4" else 2]:
                 best = float("inf")
@@ -220,6 +249,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time tile variants")
     ap.add_argument("--sweep-nvfp4-only", action="store_true", help="sweep the NVFP4 kernel only")
     ap.add_argument("--tokens", type=int, nargs="*", help="token counts (default: all)")
+    ap.add_argument("--fma-sweep", action="store_true", help="sweep the NVFP4 FMA kernel tiles")
     args = ap.parse_args()
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -230,7 +260,7 @@ def main() -> None:
         if not (args.quick and shape == "TP1"):
             tokens = args.tokens or (TOKENS if not args.quick else (1, 64, 4096))
             sweep = "nvfp4" if args.sweep_nvfp4_only else args.sweep
-            rows += bench_shape(shape, inter, tokens, gen, bw, mm, sweep, sweeps)
+            rows += bench_shape(shape, inter, tokens, gen, bw, mm, sweep, sweeps, args.fma_sweep)
             torch.cuda.empty_cache()
     meta = dict(
         device=torch.cuda.get_device_name(),
@@ -264,8 +294,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "",
         "| shape | tokens | experts | NVFP4 Triton | % of NVFP4 floor | bf16 Triton | "
         "grouped_mm bf16 | reference | NVFP4 floor | bf16 floor | FLOP floor | "
-        "NVFP4 vs bf16 | TFLOP/s NVFP4 | best swept NVFP4 / bf16 |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "NVFP4 vs bf16 | TFLOP/s NVFP4 | best swept NVFP4 / bf16 | NVFP4 MMA / FMA (forced) |",
+        "|" + " --- |" * 15,
     ]
     for r in rows:
         fp4 = r["nvfp4_triton_us"]
@@ -276,12 +306,15 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             best = f"{r['nvfp4_best_us']:.1f} / " + (
                 f"{r['bf16_best_us']:.1f}" if "bf16_best_us" in r else "-"
             )
+        forced = "-"
+        if "nvfp4_fma_us" in r:
+            forced = f"{r['nvfp4_mma_us']:.1f} / {r['nvfp4_fma_us']:.1f}"
         lines.append(
             f"| {r['shape']} (I={r['inter']}) | {r['tokens']} | {r['experts_touched']:.0f} | "
             f"{fp4:.1f} | {100 * r['floor_nvfp4_us'] / fp4:.0f}% | {r['bf16_triton_us']:.1f} | "
             f"{r['grouped_mm_bf16_us']:.1f} | {refus} | {r['floor_nvfp4_us']:.1f} | "
             f"{r['floor_bf16_us']:.1f} | {r['floor_flops_us']:.1f} | "
-            f"{r['bf16_triton_us'] / fp4:.2f}x | {tflops:.0f} | {best} |"
+            f"{r['bf16_triton_us'] / fp4:.2f}x | {tflops:.0f} | {best} | {forced} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -58,6 +58,9 @@ class Config:
     # bf16 pairs, scaled with one bf16x2 multiply per pair (see `_fp4_tile_words`). Measured
     # on an H200 (bench/NOTES.md): 1 wins at sorted-block sizes (1.2-1.5x), 0 at decode.
     decode: int = 0
+    # NVFP4 at few pairs: whole rows per program in fp32 FMAs (`_fc1_fma_kernel`), no MMA;
+    # bn1 / bn2 rows a program, bk1 / bk2 values per K step.
+    fma: bool = False
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -67,8 +70,25 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return d
 
 
+# NVFP4 calls up to this many (token, expert) pairs run the fp32-FMA kernels (`fma_config`).
+FMA_MAX_PAIRS = 0
+
+
+def fma_config() -> Config:
+    """The NVFP4 fp32-FMA kernels' tiles: 16 gate + 16 up rows and 32 output rows a program,
+    512 values a K step."""
+    return Config(scan=True, bm=1, bn1=16, bk1=512, bn2=32, bk2=512, fma=True)
+
+
 def pick_config(pairs: int, hidden: int, inter: int, fp4: bool) -> Config:
     """Tiles by regime: decode-sized (scan, 16-row tiles, long K steps) or sorted blocks."""
+    if fp4 and pairs <= FMA_MAX_PAIRS:
+        return fma_config()
+    return mma_config(pairs, hidden, inter, fp4)
+
+
+def mma_config(pairs: int, hidden: int, inter: int, fp4: bool) -> Config:
+    """The tensor-core kernels' tiles (`pick_config` without the NVFP4 FMA path)."""
     if pairs <= SCAN_MAX_PAIRS:
         bk = 256 if fp4 else 128
         return Config(
@@ -590,6 +610,143 @@ if triton is not None:
                 )
 
 
+if triton is not None:
+    # --- NVFP4 at decode sizes: whole rows per program, fp32 FMAs, no MMA ------------------
+    # A few tokens leave the MMA's 16 rows mostly padding and the decode in front of it is
+    # the cost; here each program decodes a word (8 codes) into fp32 values and multiplies
+    # them straight into the activations, everything in one register layout. Words are read
+    # in a permuted order (`_perm_words`), the same for the weights and the activations, so
+    # that neither load is vectorized differently from the other (a dot product does not
+    # care about the order of its terms).
+
+    @triton.jit
+    def _perm_words(w0, BW: tl.constexpr):
+        j = tl.arange(0, BW)
+        return w0 + (j % 4) * (BW // 4) + j // 4
+
+    @triton.jit
+    def _fp4_word_dot(words, act_ptr, act_k0, scale_bits):
+        """sum_i code_i(words) * act[8 * word + i] * scale, in fp32: codes as e2m1 * 2^-126
+        (bf16 bits by shift and mask, widened exactly), E4M3 scale bits as e4m3 * 2^-120."""
+        acc = tl.zeros(words.shape, tl.float32)
+        for q in tl.static_range(4):  # codes q and q + 4 of each word, one bf16 pair
+            pair = _fp4_pair(words, 6 - 4 * q, 12 - 4 * q)
+            lo = (pair << 16).to(tl.float32, bitcast=True)
+            hi = (pair & 0xFFFF0000).to(tl.float32, bitcast=True)
+            acc += lo * tl.load(act_ptr + act_k0 + q).to(tl.float32)
+            acc += hi * tl.load(act_ptr + act_k0 + q + 4).to(tl.float32)
+        scale = scale_bits.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120
+        return acc * scale
+
+    @triton.jit
+    def _fp4_rows_dot(
+        w_ptr, s_ptr, rows, row_ok, act_ptr, n_words, stride_wn, stride_sn, BW: tl.constexpr
+    ):
+        """[R] fp32 dot products of NVFP4 weight rows `rows` with one activation row (bf16
+        at act_ptr), times 2^-126 (the caller applies 2^126 and the global scale)."""
+        words_ptr = w_ptr.to(tl.pointer_type(tl.uint32))
+        acc = tl.zeros((rows.shape[0], BW), tl.float32)
+        for w0 in range(0, n_words, BW):
+            wi = _perm_words(w0, BW)
+            ok = row_ok[:, None] & (wi < n_words)[None, :]
+            words = tl.load(
+                words_ptr + rows[:, None] * (stride_wn // 4) + wi[None, :], mask=ok, other=0
+            )
+            sb = tl.load(s_ptr + rows[:, None] * stride_sn + (wi // 2)[None, :], mask=ok, other=0)
+            sb = sb.to(tl.uint32)
+            scale_bits = ((sb & 0x7F) << 20) | ((sb & 0x80) << 24)
+            # The activation row broadcast over the rows: the weights' layout, loads shared.
+            act_k0 = tl.where(ok, 8 * wi[None, :], 0) + 0 * rows[:, None]
+            acc += _fp4_word_dot(words, act_ptr, act_k0, scale_bits)
+        return tl.sum(acc, axis=1)
+
+    @triton.jit(do_not_specialize=["n_pairs"])
+    def _fc1_fma_kernel(
+        x_ptr,
+        ids_ptr,
+        w_ptr,
+        s_ptr,
+        g_ptr,
+        h_ptr,
+        n_pairs,
+        hidden,
+        inter,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        TOPK: tl.constexpr,
+        BN: tl.constexpr,
+        BW: tl.constexpr,
+    ):
+        # Program (pair, n-tile): gate and up rows n0..n0+BN of the pair's expert, SwiGLU.
+        p = tl.program_id(0)
+        n0 = tl.program_id(1) * BN
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        tok = (p // TOPK).to(tl.int64)
+        rn = n0 + tl.arange(0, BN)
+        ok = rn < inter
+        w_e = w_ptr + e * stride_we
+        s_e = s_ptr + e * stride_se
+        x_t = x_ptr + tok * hidden
+        n_words = hidden // 8
+        gate = _fp4_rows_dot(w_e, s_e, rn, ok, x_t, n_words, stride_wn, stride_sn, BW)
+        up = _fp4_rows_dot(w_e, s_e, inter + rn, ok, x_t, n_words, stride_wn, stride_sn, BW)
+        two126 = 8.507059173023462e37  # 2^126, the codes' offset
+        gate = _round_bf16((gate * two126) * tl.load(g_ptr + 2 * e))
+        up = _round_bf16((up * two126) * tl.load(g_ptr + 2 * e + 1))
+        h = _round_bf16(gate * tl.sigmoid(gate) * up)
+        tl.store(h_ptr + p.to(tl.int64) * inter + rn, h.to(tl.bfloat16), mask=ok)
+
+    @triton.jit(do_not_specialize=["n_tokens"])
+    def _fc2_fma_kernel(
+        h_ptr,
+        ids_ptr,
+        w_ptr,
+        s_ptr,
+        g_ptr,
+        topk_w_ptr,
+        out_ptr,
+        routed_scale,
+        n_tokens,
+        hidden,
+        inter,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        TOPK: tl.constexpr,
+        BN: tl.constexpr,
+        BW: tl.constexpr,
+        COMBINE: tl.constexpr,
+    ):
+        # Program (token, n-tile): output rows n0..n0+BN of each of the token's k experts,
+        # each rounded to bf16 (the expert rows of the contract), then their weighted sum
+        # in fp32 times the routed scale, one rounding (the finalize), or the k rows.
+        t = tl.program_id(0).to(tl.int64)
+        n0 = tl.program_id(1) * BN
+        rn = n0 + tl.arange(0, BN)
+        ok = rn < hidden
+        n_words = inter // 8
+        two126 = 8.507059173023462e37
+        total = tl.zeros((BN,), tl.float32)
+        for j in range(TOPK):
+            p = t * TOPK + j
+            e = tl.load(ids_ptr + p).to(tl.int64)
+            row = _fp4_rows_dot(
+                w_ptr + e * stride_we, s_ptr + e * stride_se, rn, ok, h_ptr + p * inter,
+                n_words, stride_wn, stride_sn, BW,
+            )  # fmt: skip
+            row = _round_bf16((row * two126) * tl.load(g_ptr + e))
+            if COMBINE:
+                total += row * tl.load(topk_w_ptr + p)
+            else:
+                tl.store(out_ptr + p * hidden + rn, row.to(tl.bfloat16), mask=ok)
+        if COMBINE:
+            out = _round_bf16(total * routed_scale).to(tl.bfloat16)
+            tl.store(out_ptr + t * hidden + rn, out, mask=ok)
+
+
 def sort_blocks(flat_ids: torch.Tensor, num_experts: int, bm: int):
     """Pairs sorted by expert, and blocks [NB, 3] = (expert or -1, start, end) of <= bm rows.
 
@@ -640,6 +797,8 @@ def moe(
         return x.new_zeros(t, hidden) if combine else x.new_zeros(t, k, hidden)
     cfg = config or pick_config(n_pairs, hidden, inter, fp4)
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    if cfg.fma and fp4:
+        return _moe_fma(x, ids, t, k, w13, w2, scales, topk_weights, routed_scale, cfg)
     if cfg.scan:
         order = blocks = ids  # unused
         grid_m = n_pairs
@@ -730,6 +889,36 @@ def moe(
         G_MULT=g_mult,
         num_warps=cfg.warps2,
     )
+    return out
+
+
+def _moe_fma(x, ids, t, k, w13, w2, scales, topk_weights, routed_scale, cfg: Config):
+    """NVFP4 experts in fp32 FMAs: FC1 + SwiGLU per (pair, row tile), FC2 + finalize per
+    (token, row tile); two launches, no atomics."""
+    s13, g13, s2, g2 = scales
+    s13, s2 = s13.view(torch.uint8), s2.view(torch.uint8)
+    g13, g2 = g13.float().contiguous(), g2.float().contiguous()
+    n_pairs, hidden = t * k, x.shape[1]
+    inter = w13.shape[1] // 2
+    x = x.contiguous()
+    h = torch.empty(n_pairs, inter, device=x.device, dtype=torch.bfloat16)
+    _fc1_fma_kernel[(n_pairs, triton.cdiv(inter, cfg.bn1))](
+        x, ids, w13, s13, g13, h, n_pairs, hidden, inter,
+        w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
+        TOPK=k, BN=cfg.bn1, BW=cfg.bk1 // 8, num_warps=cfg.warps1,
+    )  # fmt: skip
+    combine = topk_weights is not None
+    if combine:
+        out = torch.empty(t, hidden, device=x.device, dtype=torch.bfloat16)
+        weights = topk_weights.reshape(-1).float().contiguous()
+    else:
+        out = torch.empty(t, k, hidden, device=x.device, dtype=torch.bfloat16)
+        weights = g2
+    _fc2_fma_kernel[(t, triton.cdiv(hidden, cfg.bn2))](
+        h, ids, w2, s2, g2, weights, out, float(routed_scale), t, hidden, inter,
+        w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
+        TOPK=k, BN=cfg.bn2, BW=cfg.bk2 // 8, COMBINE=combine, num_warps=cfg.warps2,
+    )  # fmt: skip
     return out
 
 

@@ -96,13 +96,20 @@ _INTERPRETER_CASES = [
     (40, 64, 32, 4, 4, True, True, False, 0),
     (33, 128, 64, 16, 2, False, False, False, 0),
     (20, 64, 32, 8, 8, True, True, False, 1),
+    # NVFP4 in fp32 FMAs (decode "fma"): K steps wider and narrower than the rows
+    (1, 64, 32, 4, 2, True, True, True, "fma"),
+    (3, 128, 64, 8, 4, True, False, True, "fma"),
+    (9, 256, 32, 8, 2, True, True, True, "fma"),
 ]
 
 
 def _interpreter_main() -> None:
     for i, (t, h, inter, e, k, fp4, combine, scan, decode) in enumerate(_INTERPRETER_CASES):
         base = tk.pick_config(1 if scan else 10**6, h, inter, fp4)
-        cfg = tk.Config(scan, 16, base.bn1, base.bk1, base.bn2, base.bk2, decode=decode)
+        if decode == "fma":
+            cfg = tk.Config(scan, 16, 16, 64, 32, 128, fma=True)
+        else:
+            cfg = tk.Config(scan, 16, base.bn1, base.bk1, base.bn2, base.bk2, decode=decode)
         err = check_case(t, h, inter, e, k, fp4, combine, "cpu", seed=i, config=cfg)
         print(f"case {i}: relative error {err:.2e}")
 
@@ -213,9 +220,15 @@ gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def config_for(pairs, hidden, inter, fp4, decode):
+    if decode == "fma":
+        return tk.fma_config()
+    return replace(tk.mma_config(pairs, hidden, inter, fp4), decode=decode)
+
+
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("fp4, decode", [(True, 0), (True, 1), (False, 0)])
+@pytest.mark.parametrize("fp4, decode", [(True, 0), (True, 1), (True, "fma"), (False, 0)])
 @pytest.mark.parametrize(
     "tokens, hidden, inter, experts, top_k",
     [
@@ -227,7 +240,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
     ],
 )
 def test_kernels_match_reference_gpu(tokens, hidden, inter, experts, top_k, fp4, decode):
-    cfg = replace(tk.pick_config(tokens * top_k, hidden, inter, fp4), decode=decode)
+    cfg = config_for(tokens * top_k, hidden, inter, fp4, decode)
     for combine in (True, False):
         check_case(tokens, hidden, inter, experts, top_k, fp4, combine, "cuda", tokens, cfg)
 
@@ -241,13 +254,14 @@ def test_kernels_match_reference_gpu(tokens, hidden, inter, experts, top_k, fp4,
     experts=st.integers(2, 64),
     top_k=st.integers(1, 8),
     fp4=st.booleans(),
-    decode=st.sampled_from([0, 1]),
+    decode=st.sampled_from([0, 1, "fma"]),
     seed=st.integers(0, 2**16),
 )
-@settings(max_examples=8)
+@settings(max_examples=12)
 def test_kernels_random_shapes_gpu(tokens, hidden, inter, experts, top_k, fp4, decode, seed):
     top_k = min(top_k, experts)
-    cfg = replace(tk.pick_config(tokens * top_k, hidden, inter, fp4), decode=decode)
+    cfg = config_for(tokens * top_k, hidden, inter, fp4 or decode == "fma", decode)
+    fp4 = fp4 or decode == "fma"
     check_case(tokens, hidden, inter, experts, top_k, fp4, True, "cuda", seed, cfg)
 
 
