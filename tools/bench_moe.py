@@ -207,8 +207,8 @@ def bench_shape(shape, inter, token_counts, gen, bw, mm, sweep, sweeps, fma_swee
             base = tk.fma_config()
             cands = [replace(base, bn1=8), replace(base, bn1=32), replace(base, bk1=256),
                      replace(base, bk1=1024), replace(base, bn2=16), replace(base, bn2=64),
-                     replace(base, bk2=256), replace(base, warps1=8, warps2=8),
-                     replace(base, warps1=2, warps2=2)]  # fmt: skip
+                     replace(base, bk2=256), replace(base, warps1=4, warps2=4),
+                     replace(base, warps1=16, warps2=16)]  # fmt: skip
             for cfg in cands:
                 fn = functools.partial(fns["nvfp4_config"], c=cfg)
                 err, us = measure(fn, sets, want)
