@@ -578,10 +578,11 @@ def _launch_gemv(x2d, weight, logits, route, config: GemvConfig) -> None:
     block_k = min(config.block_k, triton.next_power_of_2(hidden))
     block_b = 0
     if config.one_shot and block_k < hidden:
-        # The row as two tiles: block_k, then the rest padded to a power of two.
+        # The row as two tiles: block_k, then the rest padded to a power of two; a rest
+        # wider than block_k: the row as one padded tile.
         block_b = triton.next_power_of_2(hidden - block_k)
         if block_b > block_k:
-            raise ValueError(f"router_gemm: one-shot tile {block_k} + {block_b} < {hidden}")
+            block_k, block_b = triton.next_power_of_2(hidden), 0
     pdl = config.pdl and x2d.device.type == "cuda" and _PDL
     if route is None:
         bias, weights, ids = logits, logits, logits

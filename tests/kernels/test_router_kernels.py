@@ -176,6 +176,8 @@ SMALL_CONFIGS = [
     rt.GemvConfig(block_e=1, block_t=1, block_k=64, num_warps=4),
     rt.GemvConfig(block_e=2, block_t=4, block_k=128, num_warps=4),
     rt.GemvConfig(block_e=4, block_t=2, block_k=256, num_warps=2),
+    # The whole row at once: two tiles (hidden 200: 128 + 128 padded), or one padded tile.
+    rt.GemvConfig(block_e=2, block_t=2, block_k=128, num_warps=4, one_shot=True, pdl=True),
 ]
 
 
