@@ -242,12 +242,18 @@ def main() -> None:
         torch.randn(EXPERTS, HIDDEN, generator=gen, device="cuda") / HIDDEN**0.5
         for _ in range(N_WEIGHTS)
     ]
-    if args.gemv_sweep:
-        meta = dict(
+
+    def stamp(**more) -> dict:
+        return dict(
             device=torch.cuda.get_device_name(),
             torch=torch.__version__,
             triton=triton.__version__,
             date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            **more,
+        )
+
+    if args.gemv_sweep:
+        meta = stamp(
             timing=f"CUDA-graph replay median per call over {N_WEIGHTS} rotating weights",
             copy_bandwidth_GBps=round(bw / 1e9, 1),
             floor_us=round(floor_us, 3),
@@ -258,11 +264,7 @@ def main() -> None:
             json.dump(dict(meta=meta, rows=gemv_sweep(weights, bias, tokens)), f, indent=1)
         return
     if args.probe:
-        meta = dict(
-            device=torch.cuda.get_device_name(),
-            torch=torch.__version__,
-            triton=triton.__version__,
-            date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        meta = stamp(
             timing=f"CUDA-graph replay median per call over {N_WEIGHTS} calls",
             kernel="split-K router kernel, its 1-token tiling forced",
         )
