@@ -126,7 +126,7 @@ def rel_err(out, want) -> float:
 
 
 def sweep_configs(pairs: int, inter: int, fp4: bool) -> list[tk.Config]:
-    base = tk.pick_config(pairs, HIDDEN, inter, fp4)
+    base = tk.mma_config(pairs, HIDDEN, inter, fp4)
     if base.scan:
         cands = [base, replace(base, bn1=16), replace(base, bn1=64), replace(base, bn2=128)]
         cands += [replace(base, warps1=8, warps2=8), replace(base, stages1=4, stages2=4)]
@@ -169,7 +169,7 @@ def variants(q: nvfp4.NVFP4Experts, w13b: torch.Tensor, w2b: torch.Tensor) -> di
             config=tk.mma_config(x.shape[0] * TOP_K, HIDDEN, w2b.shape[2], True),
         ),  # fmt: skip
         "nvfp4_fma": lambda x, i, w: tk.moe(
-            x, i, q.w13, q.w2, scales, w, 2.5, config=tk.fma_config()
+            x, i, q.w13, q.w2, scales, w, 2.5, config=tk.fma_config(w2b.shape[2])
         ),
         # tile sweeps
         "nvfp4_config": lambda x, i, w, c: tk.moe(x, i, q.w13, q.w2, scales, w, 2.5, config=c),
@@ -204,11 +204,10 @@ def bench_shape(shape, inter, token_counts, gen, bw, mm, sweep, sweeps, fma_swee
         if tokens <= 8:  # host loop over experts: not graph-capturable, slow
             row["reference_us"] = time_over(fns["reference"], sets[:2], graph=False)
         if fma_sweep and tokens * TOP_K <= tk.SCAN_MAX_PAIRS:
-            base = tk.fma_config()
-            cands = [replace(base, bn1=8), replace(base, bn1=32), replace(base, bk1=256),
-                     replace(base, bk1=1024), replace(base, bn2=16), replace(base, bn2=64),
-                     replace(base, bk2=256), replace(base, warps1=4, warps2=4),
-                     replace(base, warps1=16, warps2=16)]  # fmt: skip
+            base = tk.fma_config(inter)
+            cands = [replace(base, bn1=2, warps1=2), replace(base, bn1=8, warps1=8),
+                     replace(base, bk1=512), replace(base, bn2=16, bk2=128, warps2=4),
+                     replace(base, bn2=4, warps2=1), replace(base, bk2=128)]  # fmt: skip
             for cfg in cands:
                 fn = functools.partial(fns["nvfp4_config"], c=cfg)
                 err, us = measure(fn, sets, want)

@@ -45,7 +45,7 @@ def moe_cases(fp4: bool, runs: int = 2) -> None:
     if fp4:
         scales = (q.w13_scale, q.w13_global, q.w2_scale, q.w2_global)
         for decode in (0, 1):
-            cfg = replace(tk.pick_config(8, bench_moe.HIDDEN, 1536, True), decode=decode)
+            cfg = replace(tk.mma_config(8, bench_moe.HIDDEN, 1536, True), decode=decode)
             print(f"moe nvfp4 1 token, decode {decode}: {cfg}", flush=True)
             for _ in range(runs):
                 tk.moe(x, ids, q.w13, q.w2, scales, w, 2.5, config=cfg)

@@ -71,19 +71,29 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 
 # NVFP4 calls up to this many (token, expert) pairs run the fp32-FMA kernels (`fma_config`).
-FMA_MAX_PAIRS = 0
+# Measured on an H200 (bench/NOTES.md): 1.5-3x faster than the MMA kernels at 8 and 64 pairs,
+# slower at 512 pairs of the TP1 shape (1536-wide experts).
+FMA_MAX_PAIRS = 64
 
 
-def fma_config() -> Config:
-    """The NVFP4 fp32-FMA kernels' tiles: 16 gate + 16 up rows and 32 output rows a program,
-    512 values a K step, 8 warps (56 and ~120 registers a thread, compiled for sm_90)."""
-    return Config(scan=True, bm=1, bn1=16, bk1=512, bn2=32, bk2=512, warps1=8, warps2=8, fma=True)
+def fma_config(inter: int) -> Config:
+    """The NVFP4 fp32-FMA kernels' tiles, swept on an H200: FC1 4 gate + 4 up rows and 1024
+    values a K step on 4 warps; FC2 the k experts' rows, 16 rows and 128 values a K step on
+    4 warps for long rows (inter >= 1024), else 8 rows and 64 values on 2 warps. Small
+    programs, many of them: more loads in flight across the GPU."""
+    if inter >= 1024:
+        bn2, bk2, warps2 = 16, 128, 4
+    else:
+        bn2, bk2, warps2 = 8, 64, 2
+    return Config(
+        scan=True, bm=1, bn1=4, bk1=1024, bn2=bn2, bk2=bk2, warps1=4, warps2=warps2, fma=True
+    )
 
 
 def pick_config(pairs: int, hidden: int, inter: int, fp4: bool) -> Config:
     """Tiles by regime: decode-sized (scan, 16-row tiles, long K steps) or sorted blocks."""
     if fp4 and pairs <= FMA_MAX_PAIRS:
-        return fma_config()
+        return fma_config(inter)
     return mma_config(pairs, hidden, inter, fp4)
 
 
@@ -612,53 +622,72 @@ if triton is not None:
 
 if triton is not None:
     # --- NVFP4 at decode sizes: whole rows per program, fp32 FMAs, no MMA ------------------
-    # A few tokens leave the MMA's 16 rows mostly padding and the decode in front of it is
-    # the cost; here each program decodes a word (8 codes) into fp32 values and multiplies
-    # them straight into the activations, everything in one register layout. Words are read
-    # in a permuted order (`_perm_words`), the same for the weights and the activations, so
-    # that neither load is vectorized differently from the other (a dot product does not
-    # care about the order of its terms).
+    # A few tokens leave the MMA's 16 rows mostly padding, and decoding into its operand
+    # layout is the cost. Here a thread decodes the 32-bit words it loaded (8 codes each)
+    # into fp32 and multiplies them straight into the activations of those columns, loaded
+    # once per thread and shared by the rows it holds; the rows are summed once at the end.
+    # Loads run one K step ahead of the FMAs (decode-sized calls have a few K steps per
+    # program and little else to hide DRAM latency behind).
 
     @triton.jit
-    def _perm_words(w0, BW: tl.constexpr):
-        j = tl.arange(0, BW)
-        return w0 + (j % 4) * (BW // 4) + j // 4
+    def _act_f32(a, HI: tl.constexpr):
+        """One bf16 of the uint32 activation pairs `a` (scaled by `_act_pairs`), as fp32."""
+        if HI:
+            return (a & 0xFFFF0000).to(tl.float32, bitcast=True)
+        else:
+            return (a << 16).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _fp4_word_dot(words, act_ptr, act_k0, scale_bits):
-        """sum_i code_i(words) * act[8 * word + i] * scale, in fp32: codes as e2m1 * 2^-126
-        (bf16 bits by shift and mask, widened exactly), E4M3 scale bits as e4m3 * 2^-120."""
-        acc = tl.zeros(words.shape, tl.float32)
-        for q in tl.static_range(4):  # codes q and q + 4 of each word, one bf16 pair
-            pair = _fp4_pair(words, 6 - 4 * q, 12 - 4 * q)
-            lo = (pair << 16).to(tl.float32, bitcast=True)
-            hi = (pair & 0xFFFF0000).to(tl.float32, bitcast=True)
-            acc += lo * tl.load(act_ptr + act_k0 + q).to(tl.float32)
-            acc += hi * tl.load(act_ptr + act_k0 + q + 4).to(tl.float32)
-        scale = scale_bits.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120
-        return acc * scale
+    def _act_pairs(a):
+        """bf16 pairs times 2^64, exact (so that their products with the codes' 2^-126 stay
+        clear of fp32's subnormals): one bf16x2 multiply a pair."""
+        return _mul_bf16x2(a, tl.full(a.shape, 0x5F805F80, tl.uint32))
 
     @triton.jit
-    def _fp4_rows_dot(
-        w_ptr, s_ptr, rows, row_ok, act_ptr, n_words, stride_wn, stride_sn, BW: tl.constexpr
-    ):
-        """[R] fp32 dot products of NVFP4 weight rows `rows` with one activation row (bf16
-        at act_ptr), times 2^-126 (the caller applies 2^126 and the global scale)."""
-        words_ptr = w_ptr.to(tl.pointer_type(tl.uint32))
-        acc = tl.zeros((rows.shape[0], BW), tl.float32)
-        for w0 in range(0, n_words, BW):
-            wi = _perm_words(w0, BW)
-            ok = row_ok[:, None] & (wi < n_words)[None, :]
-            words = tl.load(
-                words_ptr + rows[:, None] * (stride_wn // 4) + wi[None, :], mask=ok, other=0
-            )
-            sb = tl.load(s_ptr + rows[:, None] * stride_sn + (wi // 2)[None, :], mask=ok, other=0)
-            sb = sb.to(tl.uint32)
-            scale_bits = ((sb & 0x7F) << 20) | ((sb & 0x80) << 24)
-            # The activation row broadcast over the rows: the weights' layout, loads shared.
-            act_k0 = tl.where(ok, 8 * wi[None, :], 0) + 0 * rows[:, None]
-            acc += _fp4_word_dot(words, act_ptr, act_k0, scale_bits)
-        return tl.sum(acc, axis=1)
+    def _fp4_code_f32(words, C: tl.constexpr):
+        """Code C of each word as fp32 `e2m1 * 2^-126` (E2M1's e = 0 on fp32's subnormals):
+        its sign shifted to bit 31, an arithmetic shift by 6 puts the magnitude at bits
+        22-24 (exponent's low two bits, mantissa's top) and the mask clears the rest."""
+        v = words.to(tl.int32, bitcast=True)
+        if C < 7:
+            v = v << (28 - 4 * C)
+        return ((v >> 6) & -2118123520).to(tl.float32, bitcast=True)  # 0x81C00000
+
+    @triton.jit
+    def _fp4_words_dot(words, sbytes, a0, a1, a2, a3):
+        """Per word: sum_i code_i * act_i * scale * 2^-62 in fp32 (`a_q`: the bf16 pair of
+        values 2q, 2q+1 of the word's 8 columns, from `_act_pairs`; `sbytes`: the word's
+        E4M3 scale byte)."""
+        part = _fp4_code_f32(words, 0) * _act_f32(a0, False)
+        part += _fp4_code_f32(words, 1) * _act_f32(a0, True)
+        part += _fp4_code_f32(words, 2) * _act_f32(a1, False)
+        part += _fp4_code_f32(words, 3) * _act_f32(a1, True)
+        part += _fp4_code_f32(words, 4) * _act_f32(a2, False)
+        part += _fp4_code_f32(words, 5) * _act_f32(a2, True)
+        part += _fp4_code_f32(words, 6) * _act_f32(a3, False)
+        part += _fp4_code_f32(words, 7) * _act_f32(a3, True)
+        sb = sbytes.to(tl.uint32)
+        scale = (((sb & 0x7F) << 20) | ((sb & 0x80) << 24)).to(tl.float32, bitcast=True)
+        return part * (scale * 1.329227995784916e36)  # E4M3 bits read as e4m3 * 2^-120
+
+    @triton.jit
+    def _fma_step_loads(w_ptrs, s_ptrs, a_ptrs, ok, a_ok, EVEN: tl.constexpr):
+        """One K step's weight words, scale bytes and activation pairs (a_q at a_ptrs + q)."""
+        if EVEN:
+            words = tl.load(w_ptrs)
+            sb = tl.load(s_ptrs)
+            a0 = tl.load(a_ptrs)
+            a1 = tl.load(a_ptrs + 1)
+            a2 = tl.load(a_ptrs + 2)
+            a3 = tl.load(a_ptrs + 3)
+        else:
+            words = tl.load(w_ptrs, mask=ok, other=0)
+            sb = tl.load(s_ptrs, mask=ok, other=0)
+            a0 = tl.load(a_ptrs, mask=a_ok, other=0)
+            a1 = tl.load(a_ptrs + 1, mask=a_ok, other=0)
+            a2 = tl.load(a_ptrs + 2, mask=a_ok, other=0)
+            a3 = tl.load(a_ptrs + 3, mask=a_ok, other=0)
+        return words, sb, a0, a1, a2, a3
 
     @triton.jit(do_not_specialize=["n_pairs"])
     def _fc1_fma_kernel(
@@ -678,25 +707,53 @@ if triton is not None:
         TOPK: tl.constexpr,
         BN: tl.constexpr,
         BW: tl.constexpr,
+        EVEN: tl.constexpr,
     ):
         # Program (pair, n-tile): gate and up rows n0..n0+BN of the pair's expert, SwiGLU.
+        # EVEN: the tiles divide the rows and the K steps the words (no masks).
         p = tl.program_id(0)
         n0 = tl.program_id(1) * BN
         e = tl.load(ids_ptr + p).to(tl.int64)
         tok = (p // TOPK).to(tl.int64)
+        gu = tl.arange(0, 2)
         rn = n0 + tl.arange(0, BN)
-        ok = rn < inter
-        w_e = w_ptr + e * stride_we
-        s_e = s_ptr + e * stride_se
-        x_t = x_ptr + tok * hidden
+        rows = gu[:, None] * inter + rn[None, :]  # [2, BN]: gate rows, up rows
+        row_ok = (rn < inter)[None, :] & (gu < 2)[:, None]
+        w_rows = w_ptr.to(tl.pointer_type(tl.uint32)) + e * (stride_we // 4)
+        w_rows += (rows * (stride_wn // 4))[:, :, None]
+        s_rows = s_ptr + e * stride_se + (rows * stride_sn)[:, :, None]
+        x_words = x_ptr.to(tl.pointer_type(tl.uint32)) + tok * (hidden // 2)
         n_words = hidden // 8
-        gate = _fp4_rows_dot(w_e, s_e, rn, ok, x_t, n_words, stride_wn, stride_sn, BW)
-        up = _fp4_rows_dot(w_e, s_e, inter + rn, ok, x_t, n_words, stride_wn, stride_sn, BW)
-        two126 = 8.507059173023462e37  # 2^126, the codes' offset
-        gate = _round_bf16((gate * two126) * tl.load(g_ptr + 2 * e))
-        up = _round_bf16((up * two126) * tl.load(g_ptr + 2 * e + 1))
+        j = tl.arange(0, BW)
+        acc = tl.zeros((2, BN, BW), tl.float32)
+        # Each K step loads the next step's operands before its own FMAs.
+        col_ok = j < n_words
+        words, sb, a0, a1, a2, a3 = _fma_step_loads(
+            w_rows + j[None, None, :], s_rows + (j // 2)[None, None, :], x_words + 4 * j,
+            row_ok[:, :, None] & col_ok[None, None, :], col_ok, EVEN,
+        )  # fmt: skip
+        for w0 in range(BW, n_words, BW):
+            wi = w0 + j
+            col_ok = wi < n_words
+            words_n, sb_n, a0_n, a1_n, a2_n, a3_n = _fma_step_loads(
+                w_rows + wi[None, None, :], s_rows + (wi // 2)[None, None, :], x_words + 4 * wi,
+                row_ok[:, :, None] & col_ok[None, None, :], col_ok, EVEN,
+            )  # fmt: skip
+            a0, a1, a2, a3 = _act_pairs(a0), _act_pairs(a1), _act_pairs(a2), _act_pairs(a3)
+            acc += _fp4_words_dot(
+                words, sb, a0[None, None, :], a1[None, None, :], a2[None, None, :],
+                a3[None, None, :],
+            )  # fmt: skip
+            words, sb, a0, a1, a2, a3 = words_n, sb_n, a0_n, a1_n, a2_n, a3_n
+        a0, a1, a2, a3 = _act_pairs(a0), _act_pairs(a1), _act_pairs(a2), _act_pairs(a3)
+        acc += _fp4_words_dot(
+            words, sb, a0[None, None, :], a1[None, None, :], a2[None, None, :], a3[None, None, :]
+        )
+        # 2^62 undoes the codes' 2^-126 and the activations' 2^64
+        gu_out = tl.sum(acc, axis=2) * 4.611686018427388e18 * tl.load(g_ptr + 2 * e + gu)[:, None]
+        gate, up = tl.split(tl.permute(_round_bf16(gu_out), 1, 0))
         h = _round_bf16(gate * tl.sigmoid(gate) * up)
-        tl.store(h_ptr + p.to(tl.int64) * inter + rn, h.to(tl.bfloat16), mask=ok)
+        tl.store(h_ptr + p.to(tl.int64) * inter + rn, h.to(tl.bfloat16), mask=rn < inter)
 
     @triton.jit(do_not_specialize=["n_tokens"])
     def _fc2_fma_kernel(
@@ -716,35 +773,61 @@ if triton is not None:
         stride_se,
         stride_sn,
         TOPK: tl.constexpr,
+        K_PAD: tl.constexpr,
         BN: tl.constexpr,
         BW: tl.constexpr,
         COMBINE: tl.constexpr,
+        EVEN: tl.constexpr,
     ):
-        # Program (token, n-tile): output rows n0..n0+BN of each of the token's k experts,
-        # each rounded to bf16 (the expert rows of the contract), then their weighted sum
-        # in fp32 times the routed scale, one rounding (the finalize), or the k rows.
+        # Program (token, n-tile): output rows n0..n0+BN of each of the token's k experts at
+        # once, each rounded to bf16 (the expert rows of the contract); then their weighted
+        # sum in fp32 times the routed scale, one rounding (the finalize), or the k rows.
         t = tl.program_id(0).to(tl.int64)
         n0 = tl.program_id(1) * BN
+        slot = tl.arange(0, K_PAD)
+        slot_ok = slot < TOPK
+        pr = t * TOPK + slot  # the token's pairs
+        e = tl.load(ids_ptr + pr, mask=slot_ok, other=0).to(tl.int64)
         rn = n0 + tl.arange(0, BN)
-        ok = rn < hidden
+        row_ok = slot_ok[:, None] & (rn < hidden)[None, :]
+        w_rows = w_ptr.to(tl.pointer_type(tl.uint32)) + e[:, None] * (stride_we // 4)
+        w_rows = (w_rows + rn[None, :] * (stride_wn // 4))[:, :, None]
+        s_rows = (s_ptr + e[:, None] * stride_se + rn[None, :] * stride_sn)[:, :, None]
+        h_words = (h_ptr.to(tl.pointer_type(tl.uint32)) + pr * (inter // 2))[:, None]
         n_words = inter // 8
-        two126 = 8.507059173023462e37
-        total = tl.zeros((BN,), tl.float32)
-        for j in range(TOPK):
-            p = t * TOPK + j
-            e = tl.load(ids_ptr + p).to(tl.int64)
-            row = _fp4_rows_dot(
-                w_ptr + e * stride_we, s_ptr + e * stride_se, rn, ok, h_ptr + p * inter,
-                n_words, stride_wn, stride_sn, BW,
+        j = tl.arange(0, BW)
+        acc = tl.zeros((K_PAD, BN, BW), tl.float32)
+        col_ok = slot_ok[:, None] & (j < n_words)[None, :]
+        words, sb, a0, a1, a2, a3 = _fma_step_loads(
+            w_rows + j[None, None, :], s_rows + (j // 2)[None, None, :], h_words + 4 * j[None, :],
+            row_ok[:, :, None] & col_ok[:, None, :], col_ok, EVEN,
+        )  # fmt: skip
+        for w0 in range(BW, n_words, BW):
+            wi = w0 + j
+            col_ok = slot_ok[:, None] & (wi < n_words)[None, :]
+            words_n, sb_n, a0_n, a1_n, a2_n, a3_n = _fma_step_loads(
+                w_rows + wi[None, None, :], s_rows + (wi // 2)[None, None, :],
+                h_words + 4 * wi[None, :], row_ok[:, :, None] & col_ok[:, None, :], col_ok, EVEN,
             )  # fmt: skip
-            row = _round_bf16((row * two126) * tl.load(g_ptr + e))
-            if COMBINE:
-                total += row * tl.load(topk_w_ptr + p)
-            else:
-                tl.store(out_ptr + p * hidden + rn, row.to(tl.bfloat16), mask=ok)
+            a0, a1, a2, a3 = _act_pairs(a0), _act_pairs(a1), _act_pairs(a2), _act_pairs(a3)
+            acc += _fp4_words_dot(
+                words, sb, a0[:, None, :], a1[:, None, :], a2[:, None, :], a3[:, None, :]
+            )
+            words, sb, a0, a1, a2, a3 = words_n, sb_n, a0_n, a1_n, a2_n, a3_n
+        a0, a1, a2, a3 = _act_pairs(a0), _act_pairs(a1), _act_pairs(a2), _act_pairs(a3)
+        acc += _fp4_words_dot(
+            words, sb, a0[:, None, :], a1[:, None, :], a2[:, None, :], a3[:, None, :]
+        )
+        g2 = tl.load(g_ptr + e, mask=slot_ok, other=0.0)
+        rows = _round_bf16(tl.sum(acc, axis=2) * 4.611686018427388e18 * g2[:, None])
         if COMBINE:
+            wt = tl.load(topk_w_ptr + pr, mask=slot_ok, other=0.0)
+            total = tl.sum(rows * wt[:, None], axis=0)
             out = _round_bf16(total * routed_scale).to(tl.bfloat16)
-            tl.store(out_ptr + t * hidden + rn, out, mask=ok)
+            tl.store(out_ptr + t * hidden + rn, out, mask=rn < hidden)
+        else:
+            dst = out_ptr + pr[:, None] * hidden + rn[None, :]
+            tl.store(dst, rows.to(tl.bfloat16), mask=row_ok)
 
 
 def sort_blocks(flat_ids: torch.Tensor, num_experts: int, bm: int):
@@ -901,11 +984,15 @@ def _moe_fma(x, ids, t, k, w13, w2, scales, topk_weights, routed_scale, cfg: Con
     n_pairs, hidden = t * k, x.shape[1]
     inter = w13.shape[1] // 2
     x = x.contiguous()
+    if x.data_ptr() % 4:  # activations are read as 32-bit pairs
+        x = x.clone()
     h = torch.empty(n_pairs, inter, device=x.device, dtype=torch.bfloat16)
+    bw1 = min(cfg.bk1 // 8, triton.next_power_of_2(hidden // 8))
     _fc1_fma_kernel[(n_pairs, triton.cdiv(inter, cfg.bn1))](
         x, ids, w13, s13, g13, h, n_pairs, hidden, inter,
         w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
-        TOPK=k, BN=cfg.bn1, BW=cfg.bk1 // 8, num_warps=cfg.warps1,
+        TOPK=k, BN=cfg.bn1, BW=bw1, EVEN=inter % cfg.bn1 == 0 and hidden % (8 * bw1) == 0,
+        num_warps=cfg.warps1,
     )  # fmt: skip
     combine = topk_weights is not None
     if combine:
@@ -914,10 +1001,13 @@ def _moe_fma(x, ids, t, k, w13, w2, scales, topk_weights, routed_scale, cfg: Con
     else:
         out = torch.empty(t, k, hidden, device=x.device, dtype=torch.bfloat16)
         weights = g2
+    bw2 = min(cfg.bk2 // 8, triton.next_power_of_2(inter // 8))
     _fc2_fma_kernel[(t, triton.cdiv(hidden, cfg.bn2))](
         h, ids, w2, s2, g2, weights, out, float(routed_scale), t, hidden, inter,
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        TOPK=k, BN=cfg.bn2, BW=cfg.bk2 // 8, COMBINE=combine, num_warps=cfg.warps2,
+        TOPK=k, K_PAD=triton.next_power_of_2(k), BN=cfg.bn2, BW=bw2, COMBINE=combine,
+        EVEN=k & (k - 1) == 0 and hidden % cfg.bn2 == 0 and inter % (8 * bw2) == 0,
+        num_warps=cfg.warps2,
     )  # fmt: skip
     return out
 

@@ -100,14 +100,15 @@ _INTERPRETER_CASES = [
     (1, 64, 32, 4, 2, True, True, True, "fma"),
     (3, 128, 64, 8, 4, True, False, True, "fma"),
     (9, 256, 32, 8, 2, True, True, True, "fma"),
+    (2, 192, 48, 8, 3, True, True, True, "fma"),  # partial row tile and K step, odd k
 ]
 
 
 def _interpreter_main() -> None:
     for i, (t, h, inter, e, k, fp4, combine, scan, decode) in enumerate(_INTERPRETER_CASES):
-        base = tk.pick_config(1 if scan else 10**6, h, inter, fp4)
+        base = tk.mma_config(1 if scan else 10**6, h, inter, fp4)
         if decode == "fma":
-            cfg = tk.Config(scan, 16, 16, 64, 32, 128, fma=True)
+            cfg = tk.Config(scan, 16, 32, 64, 32, 64, fma=True)
         else:
             cfg = tk.Config(scan, 16, base.bn1, base.bk1, base.bn2, base.bk2, decode=decode)
         err = check_case(t, h, inter, e, k, fp4, combine, "cpu", seed=i, config=cfg)
@@ -222,7 +223,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def config_for(pairs, hidden, inter, fp4, decode):
     if decode == "fma":
-        return tk.fma_config()
+        return tk.fma_config(inter)
     return replace(tk.mma_config(pairs, hidden, inter, fp4), decode=decode)
 
 
@@ -260,8 +261,8 @@ def test_kernels_match_reference_gpu(tokens, hidden, inter, experts, top_k, fp4,
 @settings(max_examples=12)
 def test_kernels_random_shapes_gpu(tokens, hidden, inter, experts, top_k, fp4, decode, seed):
     top_k = min(top_k, experts)
-    cfg = config_for(tokens * top_k, hidden, inter, fp4 or decode == "fma", decode)
-    fp4 = fp4 or decode == "fma"
+    fp4 = fp4 or isinstance(decode, str)
+    cfg = config_for(tokens * top_k, hidden, inter, fp4, decode)
     check_case(tokens, hidden, inter, experts, top_k, fp4, True, "cuda", seed, cfg)
 
 
