@@ -70,10 +70,14 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return d
 
 
-# NVFP4 calls up to this many (token, expert) pairs run the fp32-FMA kernels (`fma_config`).
-# Measured on an H200 (bench/NOTES.md): 1.5-3x faster than the MMA kernels at 8 and 64 pairs,
-# slower at 512 pairs of the TP1 shape (1536-wide experts).
-FMA_MAX_PAIRS = 64
+# NVFP4 calls run the fp32-FMA kernels (`fma_config`) up to FMA_MAX_PAIRS (token, expert)
+# pairs, and up to FMA_MAX_PAIRS_NARROW when the experts are narrow (intermediate below
+# FMA_NARROW_INTER). Measured on an H200 (bench/NOTES.md, MoE run 5), forced against the MMA
+# kernels: faster at 8-256 pairs (1.2-3.2x); at 512 pairs slower with 1536-wide experts
+# (TP1: 3574 vs 3191 us), faster with 192-wide ones (TP8: 468 vs 527 us).
+FMA_MAX_PAIRS = 256
+FMA_MAX_PAIRS_NARROW = 512
+FMA_NARROW_INTER = 1024
 
 
 def fma_config(inter: int) -> Config:
@@ -92,7 +96,8 @@ def fma_config(inter: int) -> Config:
 
 def pick_config(pairs: int, hidden: int, inter: int, fp4: bool) -> Config:
     """Tiles by regime: decode-sized (scan, 16-row tiles, long K steps) or sorted blocks."""
-    if fp4 and pairs <= FMA_MAX_PAIRS:
+    narrow = inter < FMA_NARROW_INTER
+    if fp4 and pairs <= (FMA_MAX_PAIRS_NARROW if narrow else FMA_MAX_PAIRS):
         return fma_config(inter)
     return mma_config(pairs, hidden, inter, fp4)
 
