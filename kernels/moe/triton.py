@@ -1047,6 +1047,15 @@ def _why_not_weights(fp4: bool, w13: torch.Tensor, w2: torch.Tensor) -> str | No
         return f"needs {want} expert weights, got {w13.dtype} and {w2.dtype}"
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         return "needs expert weights contiguous along K"
+    if fp4:  # the kernels read the codes as 32-bit words
+        for name, w in (("w13", w13), ("w2", w2)):
+            bad = [st for st in w.stride()[:-1] if st % 4]
+            if w.data_ptr() % 4 or bad:
+                return (
+                    f"needs NVFP4 {name} at a 4-byte aligned address with row strides a "
+                    f"multiple of 4 bytes, got address offset {w.data_ptr() % 4} and strides "
+                    f"{tuple(w.stride())}; pass a contiguous copy (`.contiguous()` or `.clone()`)"
+                )
     return None
 
 

@@ -176,6 +176,18 @@ def test_supports_reasons_on_fake_and_cpu_tensors():
     )
 
 
+def test_nvfp4_weights_must_be_word_aligned():
+    """The NVFP4 kernels read codes as 32-bit words: a misaligned view is refused, not read."""
+    storage = torch.zeros(4 * 64 * 33 + 1, dtype=torch.uint8)
+    ok = storage[: 4 * 64 * 32].view(4, 64, 32)
+    assert tk._why_not_weights(True, ok, ok) is None
+    shifted = storage[1 : 1 + 4 * 64 * 32].view(4, 64, 32)
+    reason = tk._why_not_weights(True, shifted, ok)
+    assert "w13" in reason and "address offset 1" in reason and ".contiguous()" in reason
+    odd_rows = storage[: 4 * 64 * 33].view(4, 64, 33)[:, :, :32]  # row stride 33 bytes
+    assert "(2112, 33, 1)" in tk._why_not_weights(True, ok, odd_rows)
+
+
 def test_flashinfer_gating_needs_sm100_and_the_library(monkeypatch):
     """It cannot run here (no Blackwell GPU is lent): test the gate, not the kernel."""
     assert "CUDA" in fi.why_not_device(torch.device("cpu"))
