@@ -192,6 +192,9 @@ def bench_shape(shape, inter, token_counts, gen, bw, mm, sweep, sweeps, fma_swee
             floor_bf16_us=distinct * 3 * HIDDEN * inter * 2 / bw * 1e6,
             floor_flops_us=2 * tokens * TOP_K * 3 * HIDDEN * inter / mm * 1e6,
         )  # fmt: skip
+        row["nvfp4_path"] = (
+            "FMA" if tk.pick_config(tokens * TOP_K, HIDDEN, inter, True).fma else "MMA"
+        )
         x0, i0, w0 = sets[0]
         want = ref.mega_moe(x0, w0, i0, w13b, w2b, 2.5)  # = the NVFP4 reference's math
         names = ["nvfp4_triton", "bf16_triton", "grouped_mm_bf16"]
@@ -305,12 +308,14 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             best = f"{r['nvfp4_best_us']:.1f} / " + (
                 f"{r['bf16_best_us']:.1f}" if "bf16_best_us" in r else "-"
             )
+        path = f" ({r['nvfp4_path']})" if "nvfp4_path" in r else ""  # which kernels ran
         forced = "-"
         if "nvfp4_fma_us" in r:
             forced = f"{r['nvfp4_mma_us']:.1f} / {r['nvfp4_fma_us']:.1f}"
         lines.append(
             f"| {r['shape']} (I={r['inter']}) | {r['tokens']} | {r['experts_touched']:.0f} | "
-            f"{fp4:.1f} | {100 * r['floor_nvfp4_us'] / fp4:.0f}% | {r['bf16_triton_us']:.1f} | "
+            f"{fp4:.1f}{path} | {100 * r['floor_nvfp4_us'] / fp4:.0f}% | "
+            f"{r['bf16_triton_us']:.1f} | "
             f"{r['grouped_mm_bf16_us']:.1f} | {refus} | {r['floor_nvfp4_us']:.1f} | "
             f"{r['floor_bf16_us']:.1f} | {r['floor_flops_us']:.1f} | "
             f"{r['bf16_triton_us'] / fp4:.2f}x | {tflops:.0f} | {best} | {forced} |"
