@@ -101,6 +101,9 @@ _INTERPRETER_CASES = [
     (3, 128, 64, 8, 4, True, False, True, "fma"),
     (9, 256, 32, 8, 2, True, True, True, "fma"),
     (2, 192, 48, 8, 3, True, True, True, "fma"),  # partial row tile and K step, odd k
+    # the tiles `pick_config` chooses (FMA at these sizes): no config given
+    (2, 128, 64, 8, 4, True, True, True, "default"),
+    (1, 64, 1024, 4, 1, True, False, True, "default"),
 ]
 
 
@@ -109,6 +112,9 @@ def _interpreter_main() -> None:
         base = tk.mma_config(1 if scan else 10**6, h, inter, fp4)
         if decode == "fma":
             cfg = tk.Config(scan, 16, 32, 64, 32, 64, fma=True)
+        elif decode == "default":
+            assert tk.pick_config(t * k, h, inter, fp4).fma, "meant to cover the FMA defaults"
+            cfg = None
         else:
             cfg = tk.Config(scan, 16, base.bn1, base.bk1, base.bn2, base.bk2, decode=decode)
         err = check_case(t, h, inter, e, k, fp4, combine, "cpu", seed=i, config=cfg)
