@@ -171,6 +171,10 @@ def variants(q: nvfp4.NVFP4Experts, w13b: torch.Tensor, w2b: torch.Tensor) -> di
         "nvfp4_fma": lambda x, i, w: tk.moe(
             x, i, q.w13, q.w2, scales, w, 2.5, config=tk.fma_config(w2b.shape[2])
         ),
+        # its two launches alone (FC2 on FC1's output, made once per input set)
+        "nvfp4_fma_fc1": lambda x, i, w: tk.fma_fc1(
+            x, i.reshape(-1), TOP_K, q.w13, q.w13_scale, q.w13_global, tk.fma_config(w2b.shape[2])
+        ),
         # tile sweeps
         "nvfp4_config": lambda x, i, w, c: tk.moe(x, i, q.w13, q.w2, scales, w, 2.5, config=c),
         "bf16_config": lambda x, i, w, c: tk.moe(x, i, w13b, w2b, None, w, 2.5, config=c),
@@ -204,6 +208,22 @@ def bench_shape(shape, inter, token_counts, gen, bw, mm, sweep, sweeps, fma_swee
             err, us = measure(fns[name], sets, want)
             row[f"{name}_us"], row[f"{name}_err"] = us, err
             print(f"{shape} T={tokens:5d} {name:16s} {us:9.1f} us  err {err:.1e}", flush=True)
+        if tokens * TOP_K <= tk.SCAN_MAX_PAIRS:  # the FMA path's launches, one at a time
+            cfg = tk.fma_config(inter)
+            fc2_sets = [(fns["nvfp4_fma_fc1"](*st), st[1], st[2]) for st in sets]
+
+            def fc2(h, i, w, cfg=cfg):
+                return tk.fma_fc2(
+                    h, i.reshape(-1), i.shape[0], TOP_K, q.w2, q.w2_scale, q.w2_global, w, 2.5,
+                    HIDDEN, cfg,
+                )  # fmt: skip
+
+            row["nvfp4_fma_fc1_us"] = time_over(fns["nvfp4_fma_fc1"], sets)
+            row["nvfp4_fma_fc2_us"] = time_over(fc2, fc2_sets)
+            # each launch's share of the NVFP4 floor: FC1 reads 2/3 of the weights
+            print(f"{shape} T={tokens:5d} FMA FC1 {row['nvfp4_fma_fc1_us']:.1f} us (floor "
+                  f"{2 * row['floor_nvfp4_us'] / 3:.1f}), FC2 {row['nvfp4_fma_fc2_us']:.1f} us "
+                  f"(floor {row['floor_nvfp4_us'] / 3:.1f})", flush=True)  # fmt: skip
         if tokens <= 8:  # host loop over experts: not graph-capturable, slow
             row["reference_us"] = time_over(fns["reference"], sets[:2], graph=False)
         if fma_sweep and tokens * TOP_K <= tk.SCAN_MAX_PAIRS:
@@ -296,7 +316,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "",
         "| shape | tokens | experts | NVFP4 Triton | % of NVFP4 floor | bf16 Triton | "
         "grouped_mm bf16 | reference | NVFP4 floor | bf16 floor | FLOP floor | "
-        "NVFP4 vs bf16 | TFLOP/s NVFP4 | best swept NVFP4 / bf16 | NVFP4 MMA / FMA (forced) |",
+        "NVFP4 vs bf16 | TFLOP/s NVFP4 | best swept NVFP4 / bf16 | "
+        "NVFP4 MMA / FMA (forced; FMA launches alone, % of their floor) |",
         "|" + " --- |" * 15,
     ]
     for r in rows:
@@ -312,6 +333,11 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         forced = "-"
         if "nvfp4_fma_us" in r:
             forced = f"{r['nvfp4_mma_us']:.1f} / {r['nvfp4_fma_us']:.1f}"
+        if "nvfp4_fma_fc1_us" in r:  # FC1 + FC2 alone, each against its third of the floor
+            f1, f2 = r["nvfp4_fma_fc1_us"], r["nvfp4_fma_fc2_us"]
+            floor = r["floor_nvfp4_us"]
+            forced += f" (FC1 {f1:.1f}, {200 * floor / 3 / f1:.0f}%; FC2 {f2:.1f}, "
+            forced += f"{100 * floor / 3 / f2:.0f}%)"
         lines.append(
             f"| {r['shape']} (I={r['inter']}) | {r['tokens']} | {r['experts_touched']:.0f} | "
             f"{fp4:.1f}{path} | {100 * r['floor_nvfp4_us'] / fp4:.0f}% | "

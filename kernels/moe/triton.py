@@ -984,9 +984,15 @@ def _moe_fma(x, ids, t, k, w13, w2, scales, topk_weights, routed_scale, cfg: Con
     """NVFP4 experts in fp32 FMAs: FC1 + SwiGLU per (pair, row tile), FC2 + finalize per
     (token, row tile); two launches, no atomics."""
     s13, g13, s2, g2 = scales
-    s13, s2 = s13.view(torch.uint8), s2.view(torch.uint8)
-    g13, g2 = g13.float().contiguous(), g2.float().contiguous()
-    n_pairs, hidden = t * k, x.shape[1]
+    h = fma_fc1(x, ids, k, w13, s13, g13, cfg)
+    return fma_fc2(h, ids, t, k, w2, s2, g2, topk_weights, routed_scale, x.shape[1], cfg)
+
+
+def fma_fc1(x, ids, k, w13, s13, g13, cfg: Config) -> torch.Tensor:
+    """The FMA path's first launch: SwiGLU(x W1, x W3) per (token, expert) pair, [P, I] bf16
+    (`ids`: the flat expert ids of the pairs, k per token)."""
+    s13, g13 = s13.view(torch.uint8), g13.float().contiguous()
+    n_pairs, hidden = ids.numel(), x.shape[1]
     inter = w13.shape[1] // 2
     x = x.contiguous()
     if x.data_ptr() % 4:  # activations are read as 32-bit pairs
@@ -999,12 +1005,20 @@ def _moe_fma(x, ids, t, k, w13, w2, scales, topk_weights, routed_scale, cfg: Con
         TOPK=k, BN=cfg.bn1, BW=bw1, EVEN=inter % cfg.bn1 == 0 and hidden % (8 * bw1) == 0,
         num_warps=cfg.warps1,
     )  # fmt: skip
+    return h
+
+
+def fma_fc2(h, ids, t, k, w2, s2, g2, topk_weights, routed_scale, hidden, cfg: Config):
+    """The FMA path's second launch: the pairs' rows h W2, finalized per token (combined
+    [T, H] when `topk_weights` is given, else the rows [T, k, H])."""
+    s2, g2 = s2.view(torch.uint8), g2.float().contiguous()
+    inter = h.shape[1]
     combine = topk_weights is not None
     if combine:
-        out = torch.empty(t, hidden, device=x.device, dtype=torch.bfloat16)
+        out = torch.empty(t, hidden, device=h.device, dtype=torch.bfloat16)
         weights = topk_weights.reshape(-1).float().contiguous()
     else:
-        out = torch.empty(t, k, hidden, device=x.device, dtype=torch.bfloat16)
+        out = torch.empty(t, k, hidden, device=h.device, dtype=torch.bfloat16)
         weights = g2
     bw2 = min(cfg.bk2 // 8, triton.next_power_of_2(inter // 8))
     _fc2_fma_kernel[(t, triton.cdiv(hidden, cfg.bn2))](
