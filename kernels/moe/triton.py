@@ -61,6 +61,10 @@ class Config:
     # NVFP4 at few pairs: whole rows per program in fp32 FMAs (`_fc1_fma_kernel`), no MMA;
     # bn1 / bn2 rows a program, bk1 / bk2 values per K step.
     fma: bool = False
+    # The combine without fp32 atomics: FC2 writes each pair's bf16 row and a third launch
+    # (`_finalize_kernel`) sums a token's k rows (the MMA kernels; the FMA ones never use
+    # atomics).
+    combine_rows: bool = False
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -835,6 +839,44 @@ if triton is not None:
             tl.store(dst, rows.to(tl.bfloat16), mask=row_ok)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _finalize_kernel(
+        rows_ptr, w_ptr, out_ptr, routed_scale, hidden,
+        TOPK: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr,
+    ):  # fmt: skip
+        # Program (token, column tile): sum_j w[t, j] * rows[t, j] in fp32 (the rows are the
+        # experts' bf16 outputs), times the routed scale, one rounding.
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BH + tl.arange(0, BH)
+        slot = tl.arange(0, K_PAD)
+        ok = (slot < TOPK)[:, None] & (cols < hidden)[None, :]
+        r = tl.load(rows_ptr + (t * TOPK + slot)[:, None] * hidden + cols[None, :], mask=ok)
+        w = tl.load(w_ptr + t * TOPK + slot, mask=slot < TOPK, other=0.0)
+        total = tl.sum(tl.where(ok, r.to(tl.float32), 0.0) * w[:, None], axis=0)
+        out = _round_bf16(total * routed_scale).to(tl.bfloat16)
+        tl.store(out_ptr + t * hidden + cols, out, mask=cols < hidden)
+
+
+def finalize_rows(
+    rows: torch.Tensor, topk_weights: torch.Tensor, routed_scale: float
+) -> torch.Tensor:
+    """The MoE finalize of the experts' rows [T, k, H] (bf16): weighted sum in fp32 times the
+    routed scale, rounded once to bf16, [T, H]."""
+    t, k, hidden = rows.shape
+    out = torch.empty(t, hidden, device=rows.device, dtype=torch.bfloat16)
+    if t == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(hidden))
+    _finalize_kernel[(t, triton.cdiv(hidden, block))](
+        rows.contiguous(), topk_weights.reshape(-1).float().contiguous(), out,
+        float(routed_scale), hidden, TOPK=k, K_PAD=triton.next_power_of_2(k), BH=block,
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
 def sort_blocks(flat_ids: torch.Tensor, num_experts: int, bm: int):
     """Pairs sorted by expert, and blocks [NB, 3] = (expert or -1, start, end) of <= bm rows.
 
@@ -887,6 +929,9 @@ def moe(
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     if cfg.fma and fp4:
         return _moe_fma(x, ids, t, k, w13, w2, scales, topk_weights, routed_scale, cfg)
+    if combine and cfg.combine_rows:
+        rows = moe(x, topk_ids, w13, w2, scales, None, config=cfg)
+        return finalize_rows(rows, topk_weights, routed_scale)
     if cfg.scan:
         order = blocks = ids  # unused
         grid_m = n_pairs

@@ -101,6 +101,9 @@ _INTERPRETER_CASES = [
     (3, 128, 64, 8, 4, True, False, True, "fma"),
     (9, 256, 32, 8, 2, True, True, True, "fma"),
     (2, 192, 48, 8, 3, True, True, True, "fma"),  # partial row tile and K step, odd k
+    # the combine as k bf16 rows and a finalize launch, no fp32 atomics (sorted blocks)
+    (40, 64, 32, 4, 4, True, True, False, "rows"),
+    (33, 128, 64, 16, 3, False, True, False, "rows"),
     # the tiles `pick_config` chooses (FMA at these sizes): no config given
     (2, 128, 64, 8, 4, True, True, True, "default"),
     (1, 64, 1024, 4, 1, True, False, True, "default"),
@@ -112,6 +115,8 @@ def _interpreter_main() -> None:
         base = tk.mma_config(1 if scan else 10**6, h, inter, fp4)
         if decode == "fma":
             cfg = tk.Config(scan, 16, 32, 64, 32, 64, fma=True)
+        elif decode == "rows":
+            cfg = tk.Config(scan, 16, base.bn1, base.bk1, base.bn2, base.bk2, combine_rows=True)
         elif decode == "default":
             assert tk.pick_config(t * k, h, inter, fp4).fma, "meant to cover the FMA defaults"
             cfg = None
@@ -242,12 +247,17 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def config_for(pairs, hidden, inter, fp4, decode):
     if decode == "fma":
         return tk.fma_config(inter)
+    if decode == "rows":
+        return replace(tk.mma_config(pairs, hidden, inter, fp4), combine_rows=True)
     return replace(tk.mma_config(pairs, hidden, inter, fp4), decode=decode)
 
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("fp4, decode", [(True, 0), (True, 1), (True, "fma"), (False, 0)])
+@pytest.mark.parametrize(
+    "fp4, decode",
+    [(True, 0), (True, 1), (True, "fma"), (True, "rows"), (False, 0), (False, "rows")],
+)
 @pytest.mark.parametrize(
     "tokens, hidden, inter, experts, top_k",
     [
@@ -273,13 +283,13 @@ def test_kernels_match_reference_gpu(tokens, hidden, inter, experts, top_k, fp4,
     experts=st.integers(2, 64),
     top_k=st.integers(1, 8),
     fp4=st.booleans(),
-    decode=st.sampled_from([0, 1, "fma"]),
+    decode=st.sampled_from([0, 1, "fma", "rows"]),
     seed=st.integers(0, 2**16),
 )
 @settings(max_examples=12)
 def test_kernels_random_shapes_gpu(tokens, hidden, inter, experts, top_k, fp4, decode, seed):
     top_k = min(top_k, experts)
-    fp4 = fp4 or isinstance(decode, str)
+    fp4 = fp4 or decode == "fma"
     cfg = config_for(tokens * top_k, hidden, inter, fp4, decode)
     check_case(tokens, hidden, inter, experts, top_k, fp4, True, "cuda", seed, cfg)
 
