@@ -680,8 +680,21 @@ if triton is not None:
         return part * (scale * 1.329227995784916e36)  # E4M3 bits read as e4m3 * 2^-120
 
     @triton.jit
-    def _fma_step_loads(w_ptrs, s_ptrs, a_ptrs, ok, a_ok, EVEN: tl.constexpr):
-        """One K step's weight words, scale bytes and activation pairs (a_q at a_ptrs + q)."""
+    def _fma_step_loads(
+        w_rows, s_rows, a_rows, row_ok, a_ok, wi, n_words, ONE_ROW: tl.constexpr,
+        EVEN: tl.constexpr,
+    ):  # fmt: skip
+        """One K step's weight words, scale bytes and activation pairs (a_q: 32-bit word q of
+        each column's 8 activations) for the words `wi` of the rows."""
+        col_ok = wi < n_words
+        w_ptrs = w_rows + wi[None, None, :]
+        s_ptrs = s_rows + (wi // 2)[None, None, :]
+        if ONE_ROW:  # one activation row, shared by every weight row
+            a_ptrs = a_rows + 4 * wi
+            a_mask = col_ok
+        else:  # activation row i for the weight rows [i, :]
+            a_ptrs = a_rows[:, None] + 4 * wi[None, :]
+            a_mask = a_ok[:, None] & col_ok[None, :]
         if EVEN:
             words = tl.load(w_ptrs)
             sb = tl.load(s_ptrs)
@@ -690,13 +703,53 @@ if triton is not None:
             a2 = tl.load(a_ptrs + 2)
             a3 = tl.load(a_ptrs + 3)
         else:
+            ok = row_ok[:, :, None] & col_ok[None, None, :]
             words = tl.load(w_ptrs, mask=ok, other=0)
             sb = tl.load(s_ptrs, mask=ok, other=0)
-            a0 = tl.load(a_ptrs, mask=a_ok, other=0)
-            a1 = tl.load(a_ptrs + 1, mask=a_ok, other=0)
-            a2 = tl.load(a_ptrs + 2, mask=a_ok, other=0)
-            a3 = tl.load(a_ptrs + 3, mask=a_ok, other=0)
+            a0 = tl.load(a_ptrs, mask=a_mask, other=0)
+            a1 = tl.load(a_ptrs + 1, mask=a_mask, other=0)
+            a2 = tl.load(a_ptrs + 2, mask=a_mask, other=0)
+            a3 = tl.load(a_ptrs + 3, mask=a_mask, other=0)
         return words, sb, a0, a1, a2, a3
+
+    @triton.jit
+    def _fma_step(acc, words, sb, a0, a1, a2, a3, ONE_ROW: tl.constexpr):
+        """acc + one K step's per-word partial dot products (`_fp4_words_dot`)."""
+        a0, a1, a2, a3 = _act_pairs(a0), _act_pairs(a1), _act_pairs(a2), _act_pairs(a3)
+        if ONE_ROW:
+            return acc + _fp4_words_dot(
+                words, sb, a0[None, None, :], a1[None, None, :], a2[None, None, :],
+                a3[None, None, :],
+            )  # fmt: skip
+        else:
+            return acc + _fp4_words_dot(
+                words, sb, a0[:, None, :], a1[:, None, :], a2[:, None, :], a3[:, None, :]
+            )
+
+    @triton.jit
+    def _fma_rows_dot(
+        w_rows, s_rows, a_rows, row_ok, a_ok, n_words, BW: tl.constexpr, ONE_ROW: tl.constexpr,
+        EVEN: tl.constexpr,
+    ):  # fmt: skip
+        """[A, R] fp32 dot products, times 2^-62, of NVFP4 weight rows ([A, R, 1] pointers:
+        `w_rows` to codes as 32-bit words, `s_rows` to scale bytes) with bf16 activation rows
+        read as 32-bit pairs: one row for all (ONE_ROW: `a_rows` a pointer), or row i for the
+        weight rows [i, :] (`a_rows` [A] pointers, `a_ok` [A] their mask). `row_ok` [A, R]:
+        the weight rows' mask (EVEN: all rows and K steps full, no masks). Each K step loads
+        the next step's operands before its own FMAs."""
+        j = tl.arange(0, BW)
+        acc = tl.zeros((w_rows.shape[0], w_rows.shape[1], BW), tl.float32)
+        words, sb, a0, a1, a2, a3 = _fma_step_loads(
+            w_rows, s_rows, a_rows, row_ok, a_ok, j, n_words, ONE_ROW, EVEN
+        )
+        for w0 in range(BW, n_words, BW):
+            words_n, sb_n, a0_n, a1_n, a2_n, a3_n = _fma_step_loads(
+                w_rows, s_rows, a_rows, row_ok, a_ok, w0 + j, n_words, ONE_ROW, EVEN
+            )
+            acc = _fma_step(acc, words, sb, a0, a1, a2, a3, ONE_ROW)
+            words, sb, a0, a1, a2, a3 = words_n, sb_n, a0_n, a1_n, a2_n, a3_n
+        acc = _fma_step(acc, words, sb, a0, a1, a2, a3, ONE_ROW)
+        return tl.sum(acc, axis=2)
 
     @triton.jit(do_not_specialize=["n_pairs"])
     def _fc1_fma_kernel(
@@ -732,34 +785,9 @@ if triton is not None:
         w_rows += (rows * (stride_wn // 4))[:, :, None]
         s_rows = s_ptr + e * stride_se + (rows * stride_sn)[:, :, None]
         x_words = x_ptr.to(tl.pointer_type(tl.uint32)) + tok * (hidden // 2)
-        n_words = hidden // 8
-        j = tl.arange(0, BW)
-        acc = tl.zeros((2, BN, BW), tl.float32)
-        # Each K step loads the next step's operands before its own FMAs.
-        col_ok = j < n_words
-        words, sb, a0, a1, a2, a3 = _fma_step_loads(
-            w_rows + j[None, None, :], s_rows + (j // 2)[None, None, :], x_words + 4 * j,
-            row_ok[:, :, None] & col_ok[None, None, :], col_ok, EVEN,
-        )  # fmt: skip
-        for w0 in range(BW, n_words, BW):
-            wi = w0 + j
-            col_ok = wi < n_words
-            words_n, sb_n, a0_n, a1_n, a2_n, a3_n = _fma_step_loads(
-                w_rows + wi[None, None, :], s_rows + (wi // 2)[None, None, :], x_words + 4 * wi,
-                row_ok[:, :, None] & col_ok[None, None, :], col_ok, EVEN,
-            )  # fmt: skip
-            a0, a1, a2, a3 = _act_pairs(a0), _act_pairs(a1), _act_pairs(a2), _act_pairs(a3)
-            acc += _fp4_words_dot(
-                words, sb, a0[None, None, :], a1[None, None, :], a2[None, None, :],
-                a3[None, None, :],
-            )  # fmt: skip
-            words, sb, a0, a1, a2, a3 = words_n, sb_n, a0_n, a1_n, a2_n, a3_n
-        a0, a1, a2, a3 = _act_pairs(a0), _act_pairs(a1), _act_pairs(a2), _act_pairs(a3)
-        acc += _fp4_words_dot(
-            words, sb, a0[None, None, :], a1[None, None, :], a2[None, None, :], a3[None, None, :]
-        )
+        dots = _fma_rows_dot(w_rows, s_rows, x_words, row_ok, None, hidden // 8, BW, True, EVEN)
         # 2^62 undoes the codes' 2^-126 and the activations' 2^64
-        gu_out = tl.sum(acc, axis=2) * 4.611686018427388e18 * tl.load(g_ptr + 2 * e + gu)[:, None]
+        gu_out = dots * 4.611686018427388e18 * tl.load(g_ptr + 2 * e + gu)[:, None]
         gate, up = tl.split(tl.permute(_round_bf16(gu_out), 1, 0))
         h = _round_bf16(gate * tl.sigmoid(gate) * up)
         tl.store(h_ptr + p.to(tl.int64) * inter + rn, h.to(tl.bfloat16), mask=rn < inter)
@@ -802,33 +830,10 @@ if triton is not None:
         w_rows = w_ptr.to(tl.pointer_type(tl.uint32)) + e[:, None] * (stride_we // 4)
         w_rows = (w_rows + rn[None, :] * (stride_wn // 4))[:, :, None]
         s_rows = (s_ptr + e[:, None] * stride_se + rn[None, :] * stride_sn)[:, :, None]
-        h_words = (h_ptr.to(tl.pointer_type(tl.uint32)) + pr * (inter // 2))[:, None]
-        n_words = inter // 8
-        j = tl.arange(0, BW)
-        acc = tl.zeros((K_PAD, BN, BW), tl.float32)
-        col_ok = slot_ok[:, None] & (j < n_words)[None, :]
-        words, sb, a0, a1, a2, a3 = _fma_step_loads(
-            w_rows + j[None, None, :], s_rows + (j // 2)[None, None, :], h_words + 4 * j[None, :],
-            row_ok[:, :, None] & col_ok[:, None, :], col_ok, EVEN,
-        )  # fmt: skip
-        for w0 in range(BW, n_words, BW):
-            wi = w0 + j
-            col_ok = slot_ok[:, None] & (wi < n_words)[None, :]
-            words_n, sb_n, a0_n, a1_n, a2_n, a3_n = _fma_step_loads(
-                w_rows + wi[None, None, :], s_rows + (wi // 2)[None, None, :],
-                h_words + 4 * wi[None, :], row_ok[:, :, None] & col_ok[:, None, :], col_ok, EVEN,
-            )  # fmt: skip
-            a0, a1, a2, a3 = _act_pairs(a0), _act_pairs(a1), _act_pairs(a2), _act_pairs(a3)
-            acc += _fp4_words_dot(
-                words, sb, a0[:, None, :], a1[:, None, :], a2[:, None, :], a3[:, None, :]
-            )
-            words, sb, a0, a1, a2, a3 = words_n, sb_n, a0_n, a1_n, a2_n, a3_n
-        a0, a1, a2, a3 = _act_pairs(a0), _act_pairs(a1), _act_pairs(a2), _act_pairs(a3)
-        acc += _fp4_words_dot(
-            words, sb, a0[:, None, :], a1[:, None, :], a2[:, None, :], a3[:, None, :]
-        )
+        h_words = h_ptr.to(tl.pointer_type(tl.uint32)) + pr * (inter // 2)
+        dots = _fma_rows_dot(w_rows, s_rows, h_words, row_ok, slot_ok, inter // 8, BW, False, EVEN)
         g2 = tl.load(g_ptr + e, mask=slot_ok, other=0.0)
-        rows = _round_bf16(tl.sum(acc, axis=2) * 4.611686018427388e18 * g2[:, None])
+        rows = _round_bf16(dots * 4.611686018427388e18 * g2[:, None])
         if COMBINE:
             wt = tl.load(topk_w_ptr + pr, mask=slot_ok, other=0.0)
             total = tl.sum(rows * wt[:, None], axis=0)
@@ -837,9 +842,6 @@ if triton is not None:
         else:
             dst = out_ptr + pr[:, None] * hidden + rn[None, :]
             tl.store(dst, rows.to(tl.bfloat16), mask=row_ok)
-
-
-if triton is not None:
 
     @triton.jit
     def _finalize_kernel(
