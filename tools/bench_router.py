@@ -226,12 +226,87 @@ def gemv_sweep(weights, bias, tokens_list=GEMV_TOKENS) -> list[dict]:
     return out
 
 
+SPLIT_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def split_sweep_configs() -> list:
+    """Split-K without a fixup: expert tile x K chunk x warps, the weight tile read before
+    the programmatic-dependent-launch wait (and once without it)."""
+    configs = [
+        rt.SplitConfig(16, 256, 4),
+        rt.SplitConfig(16, 256, 4, pdl=False),
+        rt.SplitConfig(16, 256, 2),
+        rt.SplitConfig(32, 256, 4),
+        rt.SplitConfig(32, 256, 8),
+        rt.SplitConfig(16, 512, 4),
+        rt.SplitConfig(64, 256, 4),
+        rt.SplitConfig(16, 128, 4),
+    ]
+    return configs + [rt.SplitConfig(16, 256, 4, max_block_t=16),
+                      rt.SplitConfig(32, 256, 4, max_block_t=32)]  # fmt: skip
+
+
+def split_sweep(weights, bias, tokens_list=SPLIT_TOKENS) -> list[dict]:
+    """Per token count: the default kernel and every split tiling, for the logits alone
+    (split + sum kernel) and for routing (the routing kernel adds the splits), each routing
+    by argmax rounds and by sorted keys; then the routing kernel alone both ways."""
+    out = []
+    for tokens in tokens_list:
+        xs = [torch.randn(tokens, HIDDEN, device="cuda").to(torch.bfloat16) for _ in weights]
+        sets = [(x, w) for x, w in zip(xs, weights)]
+        x0, w0 = sets[0]
+        _, ref_ids = reference.routed_topk(x0, w0, bias, TOP_K, N_GROUP, TOPK_GROUP, True)
+        default = rt._gemm_config(tokens)
+        cases = [("default " + repr(default), default)]
+        cases += [(repr(c), c) for c in split_sweep_configs()
+                  if tokens > 16 or c.max_block_t == 64]  # fmt: skip
+        for name, cfg in cases:
+            fn = lambda x, w, c=cfg: rt.router_gemm(x, w, config=c)
+            try:
+                err = logits_error(fn(x0, w0), x0, w0)
+                us = time_per_call(fn, sets)
+            except Exception as exc:  # a tiling over the chip's limits: record, go on
+                print(f"  {tokens} {name}: {type(exc).__name__}: {exc}"[:300], flush=True)
+                continue
+            row = dict(tokens=tokens, kernel=name, what="logits", us=round(us, 2),
+                       rel_err=float(f"{err:.2e}"))  # fmt: skip
+            out.append(row)
+            print(row, flush=True)
+            for sorted_ in (False, True):
+                rt.ROUTE_SORTED = sorted_
+                fn = lambda x, w, c=cfg: routing(x, w, bias, False, c)
+                _, ids = fn(x0, w0)
+                differ = int((ids.sort(1).values != ref_ids.sort(1).values).any(1).sum())
+                us = time_per_call(fn, sets)
+                row = dict(tokens=tokens, kernel=name, what="routed",
+                           routing="sorted keys" if sorted_ else "argmax rounds",
+                           us=round(us, 2), ids_differ=differ)  # fmt: skip
+                out.append(row)
+                print(row, flush=True)
+        logits = [rt.router_gemm(x, w) for x, w in sets]
+        wts = torch.empty(tokens, TOP_K, device="cuda")
+        ids = torch.empty(tokens, TOP_K, dtype=torch.int32, device="cuda")
+        for sorted_ in (False, True):
+            rt.ROUTE_SORTED = sorted_
+            fn = lambda lg, wts=wts, ids=ids: rt._launch_route(
+                lg, bias, wts, ids, TOP_K, N_GROUP, TOPK_GROUP, True
+            )
+            us = time_per_call(fn, [(lg,) for lg in logits])
+            how = "sorted keys" if sorted_ else "argmax rounds"
+            row = dict(tokens=tokens, kernel="routing kernel alone", routing=how, us=round(us, 2))
+            out.append(row)
+            print(row, flush=True)
+        rt.ROUTE_SORTED = True
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--sweep", action="store_true", help="also sweep the GEMM tiling")
     ap.add_argument("--probe", action="store_true", help="only place a 1-token call's time")
     ap.add_argument("--gemv-sweep", action="store_true", help="only sweep the few-token kernel")
+    ap.add_argument("--split-sweep", action="store_true", help="only sweep split-K and routing")
     ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -262,6 +337,18 @@ def main() -> None:
         with open(os.path.join(args.out, "router_gemv_sweep.json"), "w") as f:
             tokens = [t for t in args.tokens if t in GEMV_TOKENS]
             json.dump(dict(meta=meta, rows=gemv_sweep(weights, bias, tokens)), f, indent=1)
+        return
+    if args.split_sweep:
+        meta = stamp(
+            timing=f"CUDA-graph replay median per call over {N_WEIGHTS} rotating weights",
+            copy_bandwidth_GBps=round(bw / 1e9, 1),
+            floor_us=round(floor_us, 3),
+            topk=hasattr(tl, "topk"),
+        )
+        bias = torch.randn(EXPERTS, generator=gen, device="cuda") * 0.05
+        with open(os.path.join(args.out, "router_split_sweep.json"), "w") as f:
+            tokens = [t for t in args.tokens if t in SPLIT_TOKENS]
+            json.dump(dict(meta=meta, rows=split_sweep(weights, bias, tokens)), f, indent=1)
         return
     if args.probe:
         meta = stamp(

@@ -78,6 +78,79 @@ if triton is not None:
             return tl.dot(a, b, acc)
 
     @triton.jit
+    def _desc_key(v, idx, N: tl.constexpr):
+        """int64 keys whose signed order is (v descending, then idx ascending): v's fp32 bits
+        made order-preserving in the high word (zeros of either sign equal), N-1-idx low."""
+        bits = tl.where(v == 0.0, 0, v.to(tl.int32, bitcast=True))
+        mono = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        return (mono.to(tl.int64) << 32) | (N - 1 - idx).to(tl.int64)
+
+    @triton.jit
+    def _key_index(key, N: tl.constexpr):
+        return N - 1 - (key & 0xFFFFFFFF).to(tl.int32)
+
+    @triton.jit
+    def _thread_major(keys, ROWS: tl.constexpr, E: tl.constexpr):
+        """The same keys reordered (free: a relabeling of the layout) so that the values a
+        thread holds come first. A row of fp32 loads 4 contiguous values to a thread, 128 to
+        a warp, then repeats: with the repeats innermost, the top-k network's first stages
+        run in registers, not in warp shuffles. Any order is correct; this one is faster."""
+        if E >= 256:
+            keys = tl.reshape(keys, (ROWS, E // 128, 32, 4))
+            keys = tl.reshape(tl.permute(keys, (0, 2, 1, 3)), (ROWS, E))
+        return keys
+
+    @triton.jit
+    def _top_keys(keys, K: tl.constexpr):
+        """The K largest keys of each row, largest first (bitonic top-k; K a power of two)."""
+        if K == 1:
+            return tl.max(keys, axis=1, keep_dims=True)
+        else:
+            return tl.topk(keys, K)
+
+    @triton.jit
+    def _route_sorted(
+        logits,
+        bias,
+        ROWS: tl.constexpr,
+        E: tl.constexpr,
+        N_GROUP: tl.constexpr,
+        TOPK_GROUP: tl.constexpr,
+        TOP_K: tl.constexpr,
+        K_POW2: tl.constexpr,
+        RENORM: tl.constexpr,
+    ):
+        """`_route` by bitonic top-k over packed (score, index) keys: one sort network per
+        selection instead of one argmax round per pick. Same results, ties to the lower
+        index."""
+        GROUP: tl.constexpr = E // N_GROUP
+        scores = tl.math.div_rn(1.0, 1.0 + _exp(-logits))
+        biased = scores + bias[None, :]
+        experts = tl.arange(0, E)
+        keys = _desc_key(biased, experts[None, :], E)
+        if TOPK_GROUP < N_GROUP:
+            # Group score: sum of the top-2 biased scores; the best TOPK_GROUP groups.
+            if GROUP >= 2:
+                group_score = tl.sum(tl.topk(tl.reshape(biased, (ROWS, N_GROUP, GROUP)), 2), axis=2)
+            else:
+                group_score = biased
+            groups = tl.arange(0, N_GROUP)
+            # All groups sorted (N_GROUP is a power of two; TOPK_GROUP need not be).
+            best = _top_keys(_desc_key(group_score, groups[None, :], N_GROUP), N_GROUP)
+            picked = (groups[None, :] < TOPK_GROUP).to(tl.int32) << _key_index(best, N_GROUP)
+            kept = tl.sum(picked, axis=1)  # a bit per kept group (distinct bits: a sum is an or)
+            in_kept = ((kept[:, None] >> (experts[None, :] // GROUP)) & 1) != 0
+            keys = tl.where(in_kept, keys, -0x7FFFFFFFFFFFFFFF - 1)
+        top = _top_keys(_thread_major(keys, ROWS, E), K_POW2)
+        ids = _key_index(top, E)
+        slots = tl.arange(0, K_POW2)
+        weights = tl.gather(scores, ids, axis=1)
+        weights = tl.where(slots[None, :] < TOP_K, weights, 0.0)
+        if RENORM:
+            weights = tl.math.div_rn(weights, tl.sum(weights, axis=1)[:, None])
+        return weights, ids
+
+    @triton.jit
     def _route(
         logits,
         bias,
@@ -142,21 +215,29 @@ if triton is not None:
         K_POW2: tl.constexpr,
         RENORM: tl.constexpr,
         PDL: tl.constexpr = False,
+        SPLITS: tl.constexpr = 1,
+        SORTED: tl.constexpr = False,
     ):
+        # logits_ptr: [SPLITS, n_tokens, E] partial sums over K, added here in split order.
         rows = row0 + tl.arange(0, ROWS)
         experts = tl.arange(0, E)
         row_ok = rows < n_tokens
         bias = tl.load(bias_ptr + experts).to(tl.float32)
         if PDL:
             tl.extra.cuda.gdc_wait()
+        at = logits_ptr + rows[:, None] * E + experts[None, :]
         # .cg: the logits may come from other programs of this launch; bypass L1.
-        logits = tl.load(
-            logits_ptr + rows[:, None] * E + experts[None, :],
-            mask=row_ok[:, None],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        weights, ids = _route(logits, bias, ROWS, E, N_GROUP, TOPK_GROUP, TOP_K, K_POW2, RENORM)
+        logits = tl.load(at, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+        for split in tl.static_range(1, SPLITS):
+            logits += tl.load(
+                at + split * n_tokens * E, mask=row_ok[:, None], other=0.0, cache_modifier=".cg"
+            )
+        if SORTED:
+            weights, ids = _route_sorted(
+                logits, bias, ROWS, E, N_GROUP, TOPK_GROUP, TOP_K, K_POW2, RENORM
+            )
+        else:
+            weights, ids = _route(logits, bias, ROWS, E, N_GROUP, TOPK_GROUP, TOP_K, K_POW2, RENORM)
         slots = tl.arange(0, K_POW2)
         out = rows[:, None] * TOP_K + slots[None, :]
         ok = row_ok[:, None] & (slots[None, :] < TOP_K)
@@ -178,12 +259,85 @@ if triton is not None:
         K_POW2: tl.constexpr,
         RENORM: tl.constexpr,
         PDL: tl.constexpr,
+        SPLITS: tl.constexpr,
+        SORTED: tl.constexpr,
     ):
         row0 = tl.program_id(0) * ROWS
         _route_rows(
             logits_ptr, bias_ptr, weights_ptr, ids_ptr, row0, n_tokens,
-            ROWS, E, N_GROUP, TOPK_GROUP, TOP_K, K_POW2, RENORM, PDL,
+            ROWS, E, N_GROUP, TOPK_GROUP, TOP_K, K_POW2, RENORM, PDL, SPLITS, SORTED,
         )  # fmt: skip
+
+    @triton.jit(do_not_specialize=["n_tokens"])
+    def _sum_splits_kernel(
+        part_ptr, out_ptr, n_tokens, n_cols, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
+    ):  # fmt: skip
+        # out[i] = part[0, i] + part[1, i] + ... in split order (one fixed sum every run).
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n_tokens * n_cols
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        acc = tl.load(part_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
+        for split in tl.static_range(1, SPLITS):
+            acc += tl.load(part_ptr + split * n_tokens * n_cols + offs, mask=ok, other=0.0,
+                           cache_modifier=".cg")  # fmt: skip
+        tl.store(out_ptr + offs, acc, mask=ok)
+
+    @triton.jit(do_not_specialize=["n_tokens"])
+    def _router_split_kernel(
+        x_ptr,
+        w_ptr,
+        part_ptr,
+        n_tokens,
+        n_experts,
+        HIDDEN: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        K_CHUNK: tl.constexpr,
+        W_PIECES: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        # Program (e, s, t) writes part[s, t-tile, e-tile] = x[t-tile, K chunk s] @
+        # w[e-tile, K chunk s]^T; whoever reads the logits adds the splits (no fixup here).
+        # The whole weight tile is loaded and split into its bf16 pieces at once, before
+        # the wait for the kernel that writes x (programmatic dependent launch).
+        pid_e = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        pid_t = tl.program_id(2)
+        offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+        offs_k = pid_s * K_CHUNK + tl.arange(0, K_CHUNK)
+        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        e_ok = offs_e < n_experts
+        k_ok = offs_k < HIDDEN
+        t_ok = offs_t < n_tokens
+        w = tl.load(
+            w_ptr + offs_e[:, None].to(tl.int64) * HIDDEN + offs_k[None, :],
+            mask=e_ok[:, None] & k_ok[None, :],
+            other=0.0,
+            eviction_policy="evict_first",
+        )
+        # w = w1 + w2 + w3 exactly (8 + 8 + 8 mantissa bits): bf16 products are exact.
+        w1 = w.to(tl.bfloat16)
+        if W_PIECES == 3:
+            rest = w - w1.to(tl.float32)
+            w2 = rest.to(tl.bfloat16)
+            w3 = (rest - w2.to(tl.float32)).to(tl.bfloat16)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        xt = tl.load(
+            x_ptr + offs_t[None, :].to(tl.int64) * HIDDEN + offs_k[:, None],
+            mask=t_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        )
+        zero = tl.zeros([BLOCK_E, BLOCK_T], dtype=tl.float32)
+        acc = _dot_bf16(w1, xt, zero)
+        if W_PIECES == 3:
+            # Three independent MMA chains (a third of the dependent depth), smallest first.
+            acc = (_dot_bf16(w3, xt, zero) + _dot_bf16(w2, xt, zero)) + acc
+        out = pid_s * n_tokens * n_experts + offs_t[None, :] * n_experts + offs_e[:, None]
+        tl.store(part_ptr + out, acc, mask=e_ok[:, None] & t_ok[None, :])
 
     @triton.jit
     def _route_when_last(
@@ -433,6 +587,20 @@ class GemmConfig:
     max_block_t: int = 64
 
 
+@dataclass(frozen=True)
+class SplitConfig:
+    """Tiling of the split-K router kernel without a fixup: an expert tile x a K chunk x a
+    token tile per program, its weight tile loaded whole (and, with pdl, before the wait for
+    the kernel that writes x). The kernel that reads the logits adds the K splits in order:
+    the routing kernel, or a small sum kernel for the logits alone."""
+
+    block_e: int
+    k_chunk: int
+    num_warps: int
+    max_block_t: int = 64
+    pdl: bool = True
+
+
 # By token count (first whose bound holds); measured on an H200 (bench/NOTES.md).
 GEMM_CONFIGS: list[tuple[int, GemmConfig]] = [
     # Few tokens: 320 programs, each with its whole 16 KB weight chunk in flight (stages =
@@ -468,7 +636,19 @@ GEMV_CONFIGS: list[tuple[int, GemvConfig]] = [
 GEMV_MAX_TOKENS = 16
 
 
-def _gemm_config(n_tokens: int) -> GemmConfig | GemvConfig:
+# Split-K without a fixup (SplitConfig), by token count, ahead of the tables above.
+SPLIT_CONFIGS: list[tuple[int, SplitConfig]] = []
+# The K splits the readers add (unrolled), at most.
+MAX_SPLITS = 64
+# Route by bitonic top-k over packed (score, index) keys (Triton's tl.topk), not argmax
+# rounds.
+ROUTE_SORTED = False
+
+
+def _gemm_config(n_tokens: int) -> GemmConfig | GemvConfig | SplitConfig:
+    split = next((c for bound, c in SPLIT_CONFIGS if n_tokens <= bound), None)
+    if split is not None:
+        return split
     if n_tokens <= GEMV_MAX_TOKENS:
         return next(c for bound, c in GEMV_CONFIGS if n_tokens <= bound)
     return next(c for bound, c in GEMM_CONFIGS if n_tokens <= bound)
@@ -571,6 +751,48 @@ def _launch_gemm(
     )
 
 
+def _launch_split(x2d: torch.Tensor, weight: torch.Tensor, config: SplitConfig):
+    """Partial logits [splits, tokens, experts] over K chunks; returns (partials, splits)."""
+    n_tokens, hidden = x2d.shape
+    n_experts = weight.shape[0]
+    n_splits = triton.cdiv(hidden, config.k_chunk)
+    if n_splits > MAX_SPLITS:
+        raise ValueError(
+            f"router_gemm: SplitConfig k_chunk {config.k_chunk} cuts hidden {hidden} into "
+            f"{n_splits} splits > {MAX_SPLITS}; use a k_chunk >= {triton.cdiv(hidden, MAX_SPLITS)}"
+        )
+    block_t = min(config.max_block_t, max(16, triton.next_power_of_2(n_tokens)))
+    grid = (triton.cdiv(n_experts, config.block_e), n_splits, triton.cdiv(n_tokens, block_t))
+    part = torch.empty((n_splits, n_tokens, n_experts), dtype=torch.float32, device=x2d.device)
+    pdl = config.pdl and x2d.device.type == "cuda" and _PDL
+    _router_split_kernel[grid](
+        x2d,
+        weight,
+        part,
+        n_tokens,
+        n_experts,
+        HIDDEN=hidden,
+        BLOCK_E=config.block_e,
+        BLOCK_T=block_t,
+        K_CHUNK=config.k_chunk,
+        W_PIECES=3 if weight.dtype == torch.float32 else 1,
+        PDL=pdl,
+        num_warps=config.num_warps,
+        **({"launch_pdl": True} if pdl else {}),
+    )
+    return part, n_splits
+
+
+def _sum_splits(part: torch.Tensor, logits: torch.Tensor) -> None:
+    n_splits, n_tokens, n_experts = part.shape
+    block = 256  # a token's logits per program at Beam's 256 experts: many programs
+    pdl = _PDL and part.device.type == "cuda"
+    _sum_splits_kernel[(triton.cdiv(n_tokens * n_experts, block),)](
+        part, logits, n_tokens, n_experts, SPLITS=n_splits, BLOCK=block, PDL=pdl, num_warps=2,
+        **({"launch_pdl": True} if pdl else {}),
+    )  # fmt: skip
+
+
 def _launch_gemv(x2d, weight, logits, route, config: GemvConfig) -> None:
     n_tokens, hidden = x2d.shape
     n_experts = weight.shape[0]
@@ -623,8 +845,12 @@ def _launch_gemv(x2d, weight, logits, route, config: GemvConfig) -> None:
     )
 
 
-def _launch_route(logits, bias, weights, ids, top_k, n_group, topk_group, renormalize) -> None:
-    n_tokens, n_experts = logits.shape
+def _launch_route(
+    logits, bias, weights, ids, top_k, n_group, topk_group, renormalize, splits: int = 1
+) -> None:
+    """Route `logits` [tokens, experts], or the sum of `splits` partials [splits, tokens,
+    experts]."""
+    n_tokens, n_experts = logits.shape[-2:]
     pdl = ROUTE_PDL and _PDL and logits.device.type == "cuda"
     _route_kernel[(triton.cdiv(n_tokens, ROUTE_ROWS),)](
         logits,
@@ -640,13 +866,18 @@ def _launch_route(logits, bias, weights, ids, top_k, n_group, topk_group, renorm
         K_POW2=triton.next_power_of_2(top_k),
         RENORM=bool(renormalize),
         PDL=pdl,
+        SPLITS=splits,
+        SORTED=ROUTE_SORTED,
         num_warps=ROUTE_WARPS,
         **({"launch_pdl": True} if pdl else {}),
     )
 
 
 def router_gemm(
-    x: torch.Tensor, weight: torch.Tensor, *, config: GemmConfig | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    config: GemmConfig | GemvConfig | SplitConfig | None = None,
 ) -> torch.Tensor:
     """`reference.router_logits`: the Triton kernels from TRITON_MIN_TOKENS to
     TRITON_MAX_TOKENS tokens (whole rows per program up to GEMV_MAX_TOKENS, split-K above),
@@ -660,8 +891,13 @@ def router_gemm(
     if n_tokens == 0 or not (in_range or config is not None):
         return reference.router_logits(x, weight)
     logits = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32, device=x.device)
-    _launch_gemm(x.reshape(n_tokens, hidden).contiguous(), weight.contiguous(), logits, None,
-                 config)  # fmt: skip
+    x2d = x.reshape(n_tokens, hidden).contiguous()
+    config = config or _gemm_config(n_tokens)
+    if isinstance(config, SplitConfig):
+        part, _ = _launch_split(x2d, weight.contiguous(), config)
+        _sum_splits(part, logits)
+    else:
+        _launch_gemm(x2d, weight.contiguous(), logits, None, config)
     return logits
 
 
@@ -675,7 +911,7 @@ def routed_topk(
     renormalize: bool,
     *,
     fused: bool | None = None,
-    config: GemmConfig | None = None,
+    config: GemmConfig | GemvConfig | SplitConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference.routed_topk`: router GEMM and grouped top-k, fused into the GEMM's last
     programs when `fused` (default FUSED_ROUTING), else a second small kernel."""
@@ -693,7 +929,13 @@ def routed_topk(
     bias = correction_bias.contiguous()
     fused = FUSED_ROUTING if fused is None else fused
     in_range = TRITON_MIN_TOKENS <= n_tokens <= TRITON_MAX_TOKENS
-    if fused and (in_range or config is not None):
+    if in_range or config is not None:
+        config = config or _gemm_config(n_tokens)
+    if isinstance(config, SplitConfig):
+        # The routing kernel adds the K splits: the logits never exist whole.
+        part, splits = _launch_split(x2d.contiguous(), weight.contiguous(), config)
+        _launch_route(part, bias, weights, ids, top_k, n_group, topk_group, renormalize, splits)
+    elif fused and config is not None:
         logits = torch.empty((n_tokens, n_experts), dtype=torch.float32, device=x.device)
         route = (bias, weights, ids, top_k, n_group, topk_group, renormalize)
         _launch_gemm(x2d.contiguous(), weight.contiguous(), logits, route, config)

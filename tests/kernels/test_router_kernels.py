@@ -12,6 +12,7 @@ repeatability (the split-K fixup must not race), the cuBLAS side of the crossove
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -178,6 +179,10 @@ SMALL_CONFIGS = [
     rt.GemvConfig(block_e=4, block_t=2, block_k=256, num_warps=2),
     # The whole row at once: two tiles (hidden 200: 128 + 128 padded), or one padded tile.
     rt.GemvConfig(block_e=2, block_t=2, block_k=128, num_warps=4, one_shot=True, pdl=True),
+    # Split-K without a fixup: the sum kernel, or the routing kernel, adds the splits; K
+    # chunks that do and do not divide hidden, one token tile or several.
+    rt.SplitConfig(block_e=16, k_chunk=64, num_warps=4),
+    rt.SplitConfig(block_e=32, k_chunk=128, num_warps=4, max_block_t=16),
 ]
 
 
@@ -206,33 +211,74 @@ def test_interpreted_gemm_matches_fp64(tokens, hidden, experts, weight_dtype, co
     renormalize=st.booleans(),
     fused=st.booleans(),
     config=st.sampled_from(SMALL_CONFIGS),
+    sorted_keys=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_interpreted_routing_matches_reference(
-    tokens, experts_routing, renormalize, fused, config, seed
+    tokens, experts_routing, renormalize, fused, config, sorted_keys, seed
 ):
     experts, n_group, topk_group, top_k = experts_routing
     x, w, bias = make_router(tokens, 128, experts, torch.float32, "cpu", seed)
-    weights, ids = rt.routed_topk(
-        x, w, bias, top_k, n_group, topk_group, renormalize, fused=fused, config=config
-    )
+    with routing_by(sorted_keys):
+        weights, ids = rt.routed_topk(
+            x, w, bias, top_k, n_group, topk_group, renormalize, fused=fused, config=config
+        )
     _, ref_ids = reference.routed_topk(x, w, bias, top_k, n_group, topk_group, renormalize)
     logits = x.double() @ w.double().T
     check_routing(weights, ids, logits, bias, top_k, n_group, topk_group, renormalize, ref_ids)
 
 
+@contextlib.contextmanager
+def routing_by(sorted_keys: bool):
+    """Route by sorted (score, index) keys, or by argmax rounds, inside the block."""
+    before = rt.ROUTE_SORTED
+    rt.ROUTE_SORTED = sorted_keys
+    try:
+        yield
+    finally:
+        rt.ROUTE_SORTED = before
+
+
 @needs_interpreter
-def test_interpreted_routing_with_exact_ties():
-    # Logits on a coarse grid: many exact ties in scores and group scores.
+@pytest.mark.parametrize("sorted_keys", [True, False])
+@pytest.mark.parametrize("experts", [64, 256])
+def test_interpreted_routing_with_exact_ties(sorted_keys, experts):
+    # Logits on a coarse grid: many exact ties in scores and group scores. Both methods
+    # break them as the reference's rule: the higher score, then the lower index.
     g = torch.Generator().manual_seed(3)
-    logits = (torch.randint(-4, 5, (40, 64), generator=g) * 0.5).float()
-    bias = torch.zeros(64)
+    logits = (torch.randint(-4, 5, (40, experts), generator=g) * 0.5).float()
+    logits[0] = 0.0  # every score equal, every group tied
+    bias = torch.zeros(experts)
     weights = torch.full((40, 8), float("nan"))
     ids = torch.full((40, 8), -1, dtype=torch.int32)
-    rt._launch_route(logits, bias, weights, ids, 8, 8, 4, True)
+    with routing_by(sorted_keys):
+        rt._launch_route(logits, bias, weights, ids, 8, 8, 4, True)
     _, ref_ids = reference.grouped_topk(logits, bias, 8, 8, 4, True)
     ties = check_routing(weights, ids, logits, bias, 8, 8, 4, True, ref_ids)
     assert ties > 0
+    assert ids[0].tolist() == list(range(8))  # groups 0-3 kept, their first experts, in order
+    # Lower index first among equal scores: the ids of each token's equal weights ascend.
+    for row_w, row_i in zip(weights.tolist(), ids.tolist()):
+        for j in range(7):
+            if row_w[j] == row_w[j + 1]:
+                assert row_i[j] < row_i[j + 1]
+
+
+@needs_interpreter
+def test_interpreted_sorted_keys_order_like_floats():
+    # The packed keys order as their fp32 values: signs, zeros of both signs, infinities,
+    # subnormals; the ids come out by descending biased score.
+    vals = [float("-inf"), -3.0, -1e-40, -0.0, 0.0, 1e-40, 2.5, float("inf")]
+    logits = torch.full((1, 16), -200.0)  # sigmoid: exactly 0.0, so the bias decides
+    bias = torch.zeros(16)
+    bias[: len(vals)] = torch.tensor(vals)
+    bias[8:] = -torch.arange(1, 9).float()
+    weights = torch.empty(1, 8)
+    ids = torch.empty(1, 8, dtype=torch.int32)
+    with routing_by(True):
+        rt._launch_route(logits, bias, weights, ids, 8, 1, 1, False)
+    # 0.0 + -0.0 is 0.0: experts 3 and 4 tie (lower index first).
+    assert ids[0].tolist() == [7, 6, 5, 3, 4, 2, 8, 9]
 
 
 @needs_interpreter
@@ -314,6 +360,31 @@ def test_gpu_gemv_tilings(config, hidden, experts, tokens):
             check_routing(weights, ids, x.double() @ w.double().T, bias, *args, True, ref_ids)
 
 
+SPLIT_CONFIGS = [
+    rt.SplitConfig(block_e=16, k_chunk=256, num_warps=4),
+    rt.SplitConfig(block_e=32, k_chunk=256, num_warps=8, max_block_t=16, pdl=False),
+    rt.SplitConfig(block_e=64, k_chunk=512, num_warps=4),
+]
+
+
+@gpu
+@pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=repr)
+@pytest.mark.parametrize("hidden, experts", [(5120, 256), (7168, 256), (1000, 96)])
+@pytest.mark.parametrize("tokens", [1, 5, 16, 33, 64])
+@pytest.mark.parametrize("sorted_keys", [True, False])
+def test_gpu_split_tilings(config, hidden, experts, tokens, sorted_keys):
+    x, w, bias = make_router(tokens, hidden, experts, torch.float32, "cuda", seed=tokens + hidden)
+    first = rt.router_gemm(x, w, config=config)
+    check_logits(first, x, w)
+    assert torch.equal(rt.router_gemm(x, w, config=config), first)  # a fixed order of splits
+    if experts == 256:
+        args = (BEAM_ROUTING["top_k"], BEAM_ROUTING["n_group"], BEAM_ROUTING["topk_group"])
+        with routing_by(sorted_keys):
+            weights, ids = rt.routed_topk(x, w, bias, *args, True, config=config)
+        _, ref_ids = reference.routed_topk(x, w, bias, *args, True)
+        check_routing(weights, ids, x.double() @ w.double().T, bias, *args, True, ref_ids)
+
+
 @gpu
 @pytest.mark.parametrize("tokens", [4, 64, 512])
 def test_gpu_gemm_is_repeatable(tokens):
@@ -359,15 +430,34 @@ def test_gpu_routing_other_shapes(experts, routing):
 
 
 @gpu
-def test_gpu_routing_with_exact_ties():
+@pytest.mark.parametrize("sorted_keys", [True, False])
+def test_gpu_routing_with_exact_ties(sorted_keys):
     g = torch.Generator().manual_seed(3)
     logits = (torch.randint(-4, 5, (300, 256), generator=g) * 0.5).float().cuda()
     bias = torch.zeros(256, device="cuda")
     weights = torch.full((300, 8), float("nan"), device="cuda")
     ids = torch.full((300, 8), -1, dtype=torch.int32, device="cuda")
-    rt._launch_route(logits, bias, weights, ids, 8, 8, 4, True)
+    with routing_by(sorted_keys):
+        rt._launch_route(logits, bias, weights, ids, 8, 8, 4, True)
     _, ref_ids = reference.grouped_topk(logits, bias, 8, 8, 4, True)
     assert check_routing(weights, ids, logits, bias, 8, 8, 4, True, ref_ids) > 0
+
+
+@gpu
+@pytest.mark.parametrize("tokens", [1, 16, 300])
+def test_gpu_sorted_and_argmax_routing_agree(tokens):
+    # The two methods pick by one rule (score, then lower index): the same ids and weights.
+    x, w, bias = make_router(tokens, 5120, 256, torch.float32, "cuda", seed=tokens)
+    logits = rt.router_gemm(x, w)
+    out = {}
+    for sorted_keys in (True, False):
+        weights = torch.full((tokens, 8), float("nan"), device="cuda")
+        ids = torch.full((tokens, 8), -1, dtype=torch.int32, device="cuda")
+        with routing_by(sorted_keys):
+            rt._launch_route(logits, bias, weights, ids, 8, 8, 4, True)
+        out[sorted_keys] = (weights, ids)
+    assert torch.equal(out[True][1], out[False][1])
+    assert torch.equal(out[True][0], out[False][0])
 
 
 @gpu
