@@ -86,6 +86,7 @@ def pinned_providers(**choice: str):
 PROVIDERS: dict[str, list[str]] = {
     "fused_boundary": ["beamfx.kernels.boundary.triton:FUSED_BOUNDARY"],
     "fused_boundary_residual": ["beamfx.kernels.boundary.triton:FUSED_BOUNDARY_RESIDUAL"],
+    "attn_gate": ["beamfx.kernels.norm.triton:ATTN_GATE"],
     "router_gemm": ["beamfx.kernels.router.triton:ROUTER_GEMM"],
     "routed_topk": ["beamfx.kernels.router.triton:ROUTED_TOPK"],
     "moe_experts": [
