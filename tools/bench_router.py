@@ -235,15 +235,12 @@ def split_sweep_configs() -> list:
     configs = [
         rt.SplitConfig(16, 256, 4),
         rt.SplitConfig(16, 256, 4, pdl=False),
-        rt.SplitConfig(16, 256, 2),
         rt.SplitConfig(32, 256, 4),
         rt.SplitConfig(32, 256, 8),
-        rt.SplitConfig(16, 512, 4),
         rt.SplitConfig(64, 256, 4),
         rt.SplitConfig(16, 128, 4),
     ]
-    return configs + [rt.SplitConfig(16, 256, 4, max_block_t=16),
-                      rt.SplitConfig(32, 256, 4, max_block_t=32)]  # fmt: skip
+    return configs + [rt.SplitConfig(16, 256, 4, max_block_t=16)]
 
 
 def split_sweep(weights, bias, tokens_list=SPLIT_TOKENS) -> list[dict]:
@@ -300,6 +297,33 @@ def split_sweep(weights, bias, tokens_list=SPLIT_TOKENS) -> list[dict]:
     return out
 
 
+def adopt_sweep(rows: list[dict]) -> dict:
+    """Take a split sweep's winners as the defaults of this process: the routing method
+    faster alone at most token counts, and per token count the fastest kernel for routing
+    (a split tiling, or the default kernel). Returns what it set."""
+    alone = {}
+    for r in rows:
+        if r["kernel"] == "routing kernel alone":
+            alone.setdefault(r["tokens"], {})[r["routing"]] = r["us"]
+    wins = sum(v["sorted keys"] < v["argmax rounds"] for v in alone.values())
+    rt.ROUTE_SORTED = wins * 2 > len(alone)
+    method = "sorted keys" if rt.ROUTE_SORTED else "argmax rounds"
+    configs = {repr(c): c for c in split_sweep_configs()}
+    best = {}
+    for r in rows:
+        if r.get("what") != "routed" or r["routing"] != method or r["ids_differ"]:
+            continue
+        if r["tokens"] not in best or r["us"] < best[r["tokens"]][0]:
+            best[r["tokens"]] = (r["us"], configs.get(r["kernel"]))
+    split_at = sorted(t for t, (_, c) in best.items() if c is not None)
+    rt.SPLIT_CONFIGS = [(t, best[t][1]) for t in split_at]
+    rt.SPLIT_MIN_TOKENS = split_at[0] if split_at else 1
+    chosen = dict(route_sorted=rt.ROUTE_SORTED, split_min_tokens=rt.SPLIT_MIN_TOKENS,
+                  split_configs=[(t, repr(c)) for t, c in rt.SPLIT_CONFIGS])  # fmt: skip
+    print("adopted from the sweep:", chosen, flush=True)
+    return chosen
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -307,6 +331,8 @@ def main() -> None:
     ap.add_argument("--probe", action="store_true", help="only place a 1-token call's time")
     ap.add_argument("--gemv-sweep", action="store_true", help="only sweep the few-token kernel")
     ap.add_argument("--split-sweep", action="store_true", help="only sweep split-K and routing")
+    ap.add_argument("--then-table", action="store_true",
+                    help="after --split-sweep, run the table with the sweep's winners")  # fmt: skip
     ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -348,8 +374,11 @@ def main() -> None:
         bias = torch.randn(EXPERTS, generator=gen, device="cuda") * 0.05
         with open(os.path.join(args.out, "router_split_sweep.json"), "w") as f:
             tokens = [t for t in args.tokens if t in SPLIT_TOKENS]
-            json.dump(dict(meta=meta, rows=split_sweep(weights, bias, tokens)), f, indent=1)
-        return
+            swept = split_sweep(weights, bias, tokens)
+            json.dump(dict(meta=meta, rows=swept), f, indent=1)
+        if not args.then_table:
+            return
+        adopt_sweep(swept)
     if args.probe:
         meta = stamp(
             timing=f"CUDA-graph replay median per call over {N_WEIGHTS} calls",
@@ -436,6 +465,10 @@ def main() -> None:
         copy_bandwidth_end_GBps=round(bw_end / 1e9, 1),
         floor_us=round(floor_us, 3),
         triton_max_tokens=rt.TRITON_MAX_TOKENS,
+        route_sorted=rt.ROUTE_SORTED,
+        split_configs=[(t, repr(c)) for t, c in rt.SPLIT_CONFIGS],
+        split_min_tokens=rt.SPLIT_MIN_TOKENS,
+        gemv_max_tokens=rt.GEMV_MAX_TOKENS,
         timing=f"CUDA-graph replay median over {N_WEIGHTS} rotating weights, per call",
         launches="device kernels + memsets in one eager call (torch.profiler)",
     )

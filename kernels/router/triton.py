@@ -1,17 +1,19 @@
 """Triton providers of the MoE router: a low-latency router GEMM (bf16 x fp32 -> fp32
 logits) for small token counts, and the grouped top-k routing fused behind it.
 
-Up to `GEMV_MAX_TOKENS` tokens, each program owns whole weight rows and computes its
-logits with fp32 FMAs over all of K: no split, no fixup, one launch. At 1-4 tokens it holds
-the whole row and, launched with programmatic dependent launch (Hopper and later), reads it
-before waiting for the kernel that writes x, so the weight read overlaps that kernel's tail.
-Above, the GEMM splits K over many programs so that the whole chip streams the weight once;
-the fp32 weight is split exactly into three bf16 pieces (w = w1 + w2 + w3), so the bf16
-tensor-core products are exact and the fp32 accumulation gives fp32-GEMM accuracy, and the
-last program to finish an output tile sums the split partials in a fixed order (one launch,
-deterministic). Above `TRITON_MAX_TOKENS` tokens cuBLAS serves (`F.linear(x.float(), w)`).
-Every choice is made per call, so no shape recompiles. `BEAMFX_PDL=0` turns programmatic
-dependent launch off.
+Below `SPLIT_MIN_TOKENS` tokens, each program owns whole weight rows and computes its
+logits with fp32 FMAs over all of K: no split, no fixup, one launch. It holds the whole row
+and, launched with programmatic dependent launch (Hopper and later), reads it before
+waiting for the kernel that writes x, so the weight read overlaps that kernel's tail.
+From there to 64 tokens (`SPLIT_CONFIGS`), split-K without a fixup: each program reads its
+weight tile before the same wait and writes a partial; the routing kernel (or, for the
+logits alone, a sum kernel) adds the K splits in a fixed order. Above, split-K whose last
+program per output tile sums the partials (one launch). The split kernels cut the fp32
+weight exactly into three bf16 pieces (w = w1 + w2 + w3), so the bf16 tensor-core products
+are exact and the fp32 accumulation gives fp32-GEMM accuracy; every sum is in one fixed
+order (bitwise repeatable). Above `TRITON_MAX_TOKENS` tokens cuBLAS serves
+(`F.linear(x.float(), w)`). Every choice is made per call, so no shape recompiles.
+`BEAMFX_PDL=0` turns programmatic dependent launch off.
 """
 
 from __future__ import annotations
@@ -636,18 +638,23 @@ GEMV_CONFIGS: list[tuple[int, GemvConfig]] = [
 GEMV_MAX_TOKENS = 16
 
 
-# Split-K without a fixup (SplitConfig), by token count, ahead of the tables above.
-SPLIT_CONFIGS: list[tuple[int, SplitConfig]] = []
+# Split-K without a fixup (SplitConfig), by token count (first whose bound holds), from
+# SPLIT_MIN_TOKENS up; ahead of the tables above.
+# Measured on an H200 (bench/results/router_split_sweep.json): at 8-64 tokens the widest
+# expert tile wins for routing (9.9-12.0 us against 9.7-18.4 before); below 8 the
+# whole-row kernel (2.7-3.4 us for the logits, against 7.0-7.2 split).
+SPLIT_MIN_TOKENS = 8
+SPLIT_CONFIGS: list[tuple[int, SplitConfig]] = [(64, SplitConfig(64, 256, 4))]
 # The K splits the readers add (unrolled), at most.
 MAX_SPLITS = 64
 # Route by bitonic top-k over packed (score, index) keys (Triton's tl.topk), not argmax
-# rounds.
-ROUTE_SORTED = False
+# rounds: the routing kernel alone 2.9-3.0 us against 3.2-3.4 on an H200.
+ROUTE_SORTED = triton is not None and hasattr(tl, "topk")
 
 
 def _gemm_config(n_tokens: int) -> GemmConfig | GemvConfig | SplitConfig:
     split = next((c for bound, c in SPLIT_CONFIGS if n_tokens <= bound), None)
-    if split is not None:
+    if split is not None and n_tokens >= SPLIT_MIN_TOKENS:
         return split
     if n_tokens <= GEMV_MAX_TOKENS:
         return next(c for bound, c in GEMV_CONFIGS if n_tokens <= bound)

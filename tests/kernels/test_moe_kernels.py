@@ -199,6 +199,18 @@ def test_nvfp4_weights_must_be_word_aligned():
     assert "(2112, 33, 1)" in tk._why_not_weights(True, ok, odd_rows)
 
 
+@pytest.mark.filterwarnings("error")  # a fake tensor's data_ptr(): a warning here, an error
+def test_nvfp4_weight_check_runs_on_fake_tensors():  # on CUDA fake tensors (torch 2.11)
+    """The passes ask providers' supports() while compiling, on fake tensors, which have no
+    address: the check reads the storage offset there instead of failing the compile."""
+    with FakeTensorMode():
+        w = torch.empty(4 * 64 * 32 + 4, dtype=torch.uint8)
+        ok = w[: 4 * 64 * 32].view(4, 64, 32)
+        assert tk._why_not_weights(True, ok, ok) is None
+        shifted = w[2 : 2 + 4 * 64 * 32].view(4, 64, 32)
+        assert "address offset 2" in tk._why_not_weights(True, ok, shifted)
+
+
 def test_flashinfer_gating_needs_sm100_and_the_library(monkeypatch):
     """It cannot run here (no Blackwell GPU is lent): test the gate, not the kernel."""
     assert "CUDA" in fi.why_not_device(torch.device("cpu"))
@@ -249,6 +261,8 @@ def config_for(pairs, hidden, inter, fp4, decode):
         return tk.fma_config(inter)
     if decode == "rows":
         return replace(tk.mma_config(pairs, hidden, inter, fp4), combine_rows=True)
+    if decode == "atomics":
+        return replace(tk.mma_config(pairs, hidden, inter, fp4), combine_rows=False)
     return replace(tk.mma_config(pairs, hidden, inter, fp4), decode=decode)
 
 
@@ -256,7 +270,16 @@ def config_for(pairs, hidden, inter, fp4, decode):
 @needs_cuda
 @pytest.mark.parametrize(
     "fp4, decode",
-    [(True, 0), (True, 1), (True, "fma"), (True, "rows"), (False, 0), (False, "rows")],
+    [
+        (True, 0),
+        (True, 1),
+        (True, "fma"),
+        (True, "rows"),
+        (True, "atomics"),
+        (False, 0),
+        (False, "rows"),
+        (False, "atomics"),
+    ],  # fmt: skip
 )
 @pytest.mark.parametrize(
     "tokens, hidden, inter, experts, top_k",
