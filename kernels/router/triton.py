@@ -80,6 +80,16 @@ if triton is not None:
             return tl.dot(a, b, acc)
 
     @triton.jit
+    def _bf16_pieces(w):
+        """w = w1 + w2 + w3 exactly for fp32 w (8 + 8 + 8 mantissa bits), each bf16, so
+        products with bf16 are exact in fp32. A bf16 w is its own w1 (w2, w3 unused)."""
+        w1 = w.to(tl.bfloat16)
+        rest = w.to(tl.float32) - w1.to(tl.float32)
+        w2 = rest.to(tl.bfloat16)
+        w3 = (rest - w2.to(tl.float32)).to(tl.bfloat16)
+        return w1, w2, w3
+
+    @triton.jit
     def _desc_key(v, idx, N: tl.constexpr):
         """int64 keys whose signed order is (v descending, then idx ascending): v's fp32 bits
         made order-preserving in the high word (zeros of either sign equal), N-1-idx low."""
@@ -319,12 +329,7 @@ if triton is not None:
             other=0.0,
             eviction_policy="evict_first",
         )
-        # w = w1 + w2 + w3 exactly (8 + 8 + 8 mantissa bits): bf16 products are exact.
-        w1 = w.to(tl.bfloat16)
-        if W_PIECES == 3:
-            rest = w - w1.to(tl.float32)
-            w2 = rest.to(tl.bfloat16)
-            w3 = (rest - w2.to(tl.float32)).to(tl.bfloat16)
+        w1, w2, w3 = _bf16_pieces(w)
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -429,13 +434,9 @@ if triton is not None:
                 mask=t_ok[None, :] & k_ok[:, None],
                 other=0.0,
             )
-            # w = w1 + w2 + w3 exactly (8 + 8 + 8 mantissa bits): bf16 products are exact.
-            w1 = w.to(tl.bfloat16)
+            w1, w2, w3 = _bf16_pieces(w)
             acc = _dot_bf16(w1, xt, acc)
             if W_PIECES == 3:
-                rest = w - w1.to(tl.float32)
-                w2 = rest.to(tl.bfloat16)
-                w3 = (rest - w2.to(tl.float32)).to(tl.bfloat16)
                 acc = _dot_bf16(w2, xt, acc)
                 acc = _dot_bf16(w3, xt, acc)
         out = offs_t[None, :] * n_experts + offs_e[:, None]
