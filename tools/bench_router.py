@@ -164,6 +164,27 @@ def gemv_sweep_configs() -> list:
     return configs
 
 
+def routing_alone(sets, bias, knob: str, field: str, settings: list) -> list[dict]:
+    """The routing kernel alone, on logits already computed, once per (label, value) of
+    the module flag `rt.<knob>`, each row labelled under `field`; the flag is restored."""
+    logits = [rt.router_gemm(x, w) for x, w in sets]
+    tokens = logits[0].shape[0]
+    wts = torch.empty(tokens, TOP_K, device="cuda")
+    ids = torch.empty(tokens, TOP_K, dtype=torch.int32, device="cuda")
+    fn = lambda lg: rt._launch_route(lg, bias, wts, ids, TOP_K, N_GROUP, TOPK_GROUP, True)
+    before, rows = getattr(rt, knob), []
+    try:
+        for label, value in settings:
+            setattr(rt, knob, value)
+            us = time_per_call(fn, [(lg,) for lg in logits])
+            rows.append({"tokens": tokens, "kernel": "routing kernel alone", field: label,
+                         "us": round(us, 2)})  # fmt: skip
+            print(rows[-1], flush=True)
+    finally:
+        setattr(rt, knob, before)
+    return rows
+
+
 def gemv_sweep(weights, bias, tokens_list=GEMV_TOKENS) -> list[dict]:
     """Every few-token tiling at 1-64 tokens beside the split-K default and cuBLAS fp32, then
     routing (fused, and as a second kernel with and without programmatic dependent launch)
@@ -209,20 +230,7 @@ def gemv_sweep(weights, bias, tokens_list=GEMV_TOKENS) -> list[dict]:
                 out.append(row)
                 print(row, flush=True)
             rt.ROUTE_PDL = True
-        # The routing kernel alone, on logits already computed.
-        logits = [rt.router_gemm(x, w) for x, w in sets]
-        wts = torch.empty(tokens, TOP_K, device="cuda")
-        ids = torch.empty(tokens, TOP_K, dtype=torch.int32, device="cuda")
-        for route_pdl in (False, True):
-            rt.ROUTE_PDL = route_pdl
-            fn = lambda lg, wts=wts, ids=ids: rt._launch_route(
-                lg, bias, wts, ids, TOP_K, N_GROUP, TOPK_GROUP, True
-            )
-            us = time_per_call(fn, [(lg,) for lg in logits])
-            row = dict(tokens=tokens, kernel="routing kernel alone", pdl=route_pdl, us=round(us, 2))
-            out.append(row)
-            print(row, flush=True)
-        rt.ROUTE_PDL = True
+        out += routing_alone(sets, bias, "ROUTE_PDL", "pdl", [(False, False), (True, True)])
     return out
 
 
@@ -280,20 +288,8 @@ def split_sweep(weights, bias, tokens_list=SPLIT_TOKENS) -> list[dict]:
                            us=round(us, 2), ids_differ=differ)  # fmt: skip
                 out.append(row)
                 print(row, flush=True)
-        logits = [rt.router_gemm(x, w) for x, w in sets]
-        wts = torch.empty(tokens, TOP_K, device="cuda")
-        ids = torch.empty(tokens, TOP_K, dtype=torch.int32, device="cuda")
-        for sorted_ in (False, True):
-            rt.ROUTE_SORTED = sorted_
-            fn = lambda lg, wts=wts, ids=ids: rt._launch_route(
-                lg, bias, wts, ids, TOP_K, N_GROUP, TOPK_GROUP, True
-            )
-            us = time_per_call(fn, [(lg,) for lg in logits])
-            how = "sorted keys" if sorted_ else "argmax rounds"
-            row = dict(tokens=tokens, kernel="routing kernel alone", routing=how, us=round(us, 2))
-            out.append(row)
-            print(row, flush=True)
-        rt.ROUTE_SORTED = True
+        methods = [("argmax rounds", False), ("sorted keys", True)]
+        out += routing_alone(sets, bias, "ROUTE_SORTED", "routing", methods)
     return out
 
 

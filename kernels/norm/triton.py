@@ -11,7 +11,6 @@ import os
 
 import torch
 
-from beamfx.kernels.norm import gate as reference
 from beamfx.ops import Provider
 
 try:
@@ -61,7 +60,7 @@ if triton is not None:
 
 
 def attn_gate(out: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """`reference.attn_gate` in one launch. out, gate: [T, heads, D]; bias: [heads]."""
+    """`kernels.norm.gate.attn_gate` in one launch. out, gate: [T, heads, D]; bias: [heads]."""
     tokens, heads, d = out.shape
     y = torch.empty_like(out)
     n_rows = tokens * heads
@@ -104,8 +103,6 @@ def supports_attn_gate(out, gate, bias, *, need_cuda: bool = True) -> str | None
         return "out, gate and bias on different devices"
     return None
 
-
-__all__ = ["attn_gate", "supports_attn_gate", "reference"]
 
 _AVAILABLE = triton is not None and not _INTERPRET and torch.cuda.is_available()
 ATTN_GATE = Provider("triton", attn_gate, supports_attn_gate) if _AVAILABLE else None

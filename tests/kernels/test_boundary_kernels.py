@@ -9,8 +9,6 @@ Beam's hidden 5120 and other sizes, NaN-filled outputs, within one bf16 ulp.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from beamfx import ops
 from beamfx.kernels.boundary import reference
 from beamfx.kernels.norm.reference import rms_norm
-from beamfx.testing import ulp_at, ulps
+from beamfx.testing import run_interpreted, ulp_at, ulps
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 triton_kernels = pytest.importorskip("beamfx.kernels.boundary.triton")
@@ -154,11 +152,7 @@ def test_cpu_dispatch_falls_back_to_reference():
     INTERPRETED or triton_kernels.triton is None, reason="runs the interpreted tests below"
 )
 def test_kernel_under_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", __file__, "-k", "interpreted"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1]
+    run_interpreted(__file__)
 
 
 needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1")

@@ -8,8 +8,6 @@ reference run eagerly, Beam's [T, 48, 128] and other shapes, bf16 and fp16.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,6 +16,7 @@ from hypothesis import strategies as st
 
 from beamfx import ops
 from beamfx.kernels.norm import gate as reference
+from beamfx.testing import run_interpreted, ulps
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 nt = pytest.importorskip("beamfx.kernels.norm.triton")
@@ -30,16 +29,6 @@ def make_gate(tokens, heads, d, dtype, device, seed):
     gate = (torch.randn(tokens, heads, d, generator=g) * 3).to(dtype).to(device)
     bias = torch.randn(heads, generator=g).to(dtype).to(device)
     return out, gate, bias
-
-
-def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Largest distance in units of the last place between two same-dtype tensors."""
-    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16}[a.dtype]
-    ia, ib = a.view(bits).int(), b.view(bits).int()
-    # Sign-magnitude to a monotone integer line.
-    ia = torch.where(ia < 0, -(ia & 0x7FFF), ia)
-    ib = torch.where(ib < 0, -(ib & 0x7FFF), ib)
-    return int((ia - ib).abs().max()) if a.numel() else 0
 
 
 @pytest.mark.parametrize(
@@ -71,11 +60,7 @@ def test_cpu_dispatch_runs_the_reference():
 
 @pytest.mark.skipif(INTERPRETED or nt.triton is None, reason="runs the interpreted tests below")
 def test_kernel_under_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", __file__, "-k", "interpreted"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1]
+    run_interpreted(__file__)
 
 
 @needs_interpreter
@@ -93,7 +78,7 @@ def test_interpreted_gate_matches_reference(tokens, heads, d, dtype, seed):
     got = nt.attn_gate(out, gate, bias)
     assert got.dtype == dtype and got.shape == out.shape
     # The interpreter's exp is numpy's, not CUDA's expf: at most one ulp apart, rarely.
-    assert ulps(got, want) <= 1
+    assert ulps(got, want).max() <= 1
     assert (got == want).float().mean() > 0.99
 
 
@@ -111,4 +96,4 @@ def test_gpu_gate_is_the_reference_bitwise(tokens, heads, d, dtype):
     want = reference.attn_gate(out, gate, bias)
     got = ops.attn_gate(out, gate, bias)
     assert ops.ATTN_GATE.last_provider == "triton"
-    assert torch.equal(got, want), f"{ulps(got, want)} ulps apart"
+    assert torch.equal(got, want), f"{ulps(got, want).max()} ulps apart"

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from beamfx import ops
 from beamfx.kernels.router import reference
+from beamfx.testing import run_interpreted
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 rt = pytest.importorskip("beamfx.kernels.router.triton")
@@ -161,11 +160,7 @@ def test_cpu_dispatch_falls_back_to_reference():
 
 @pytest.mark.skipif(INTERPRETED or rt.triton is None, reason="runs the interpreted tests below")
 def test_kernels_under_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", __file__, "-k", "interpreted"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1]
+    run_interpreted(__file__)
 
 
 needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1")
@@ -226,6 +221,18 @@ def test_interpreted_routing_matches_reference(
     _, ref_ids = reference.routed_topk(x, w, bias, top_k, n_group, topk_group, renormalize)
     logits = x.double() @ w.double().T
     check_routing(weights, ids, logits, bias, top_k, n_group, topk_group, renormalize, ref_ids)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("config", [c for c in SMALL_CONFIGS if isinstance(c, rt.SplitConfig)])
+def test_interpreted_split_k_adds_every_split(config):
+    # hidden 448: 7 K splits of 64 (the last ragged at 128-wide chunks): the sum kernel and
+    # the routing kernel must each add all of them.
+    x, w, bias = make_router(19, 448, 64, torch.float32, "cpu", seed=5)
+    check_logits(rt.router_gemm(x, w, config=config), x, w)
+    weights, ids = rt.routed_topk(x, w, bias, 8, 8, 4, True, config=config)
+    _, ref_ids = reference.routed_topk(x, w, bias, 8, 8, 4, True)
+    check_routing(weights, ids, x.double() @ w.double().T, bias, 8, 8, 4, True, ref_ids)
 
 
 @contextlib.contextmanager
