@@ -1,9 +1,11 @@
 """Benchmark the MoE router at Beam-1.0's shape: hidden 5120, 256 experts, fp32 weight.
 
-Side by side in one run, per token count (1, 2, 4, 8, 16, 32, 64, 128, and 256-2048 to
-place the cuBLAS crossover): the Triton router GEMM kernel (cuBLAS above 1024 tokens), the
-Triton router + grouped top-k (fused into the GEMM's last programs, and as a second
-kernel), cuBLAS fp32 (`F.linear(x.float(), w)`), cuBLAS with a bf16 weight and fp32 output,
+Side by side in one run, per token count (1, 2, 4, 8, 16, 32, 64, 128, and 256-8192 to
+place the crossovers): the provider's choice (logits, and logits + routing); the Triton
+router GEMM kernel forced (up to 1024 tokens); the Triton router + grouped top-k (fused
+into the GEMM's last programs, and as a second kernel); cuBLAS on the weight's three exact
+bf16 pieces (one bf16 GEMM, fp32 output), with and without routing; cuBLAS fp32
+(`F.linear(x.float(), w)`), cuBLAS with a bf16 weight and fp32 output,
 `torch.compile` of the reference logits, and `torch.compile` of the reference router +
 routing (top-8 of 8 groups, best 4). Each row: CUDA-graph replay median per call over 16
 rotating weight copies (84 MB, more than the 60 MB L2, as in a model whose layers each read
@@ -34,7 +36,7 @@ from beamfx.kernels.router import triton as rt
 
 HIDDEN, EXPERTS = 5120, 256
 TOP_K, N_GROUP, TOPK_GROUP = 8, 8, 4
-TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 8192)
 N_WEIGHTS = 16
 SWEEP_TOKENS = (1, 16, 64, 256)
 SWEEP_CONFIGS = [  # block_e, k_chunk, block_k
@@ -398,18 +400,38 @@ def main() -> None:
         sets_bf16 = [(x, w) for x, w in zip(xs, weights_bf16)]
         x0, w0 = sets[0]
         _, ref_ids = reference.routed_topk(x0, w0, bias, TOP_K, N_GROUP, TOPK_GROUP, True)
-        # The kernel itself up to TRITON_MAX_TOKENS (the provider sends 1 token to cuBLAS).
-        kernel = rt._gemm_config(tokens) if tokens <= rt.TRITON_MAX_TOKENS else None
+        # The Triton kernels forced, up to TRITON_MAX_TOKENS; the cuBLAS pieces GEMM forced;
+        # and what the provider chooses at this count.
+        kernel = rt._gemm_config(tokens)
+        pieces = rt.PiecesConfig()
         variants = {
-            "triton router gemm": (lambda x, w, k=kernel: rt.router_gemm(x, w, config=k), sets),
-            "triton router + routing (fused)": (
-                lambda x, w, k=kernel: routing(x, w, bias, True, k),
-                sets,
-            ),
-            "triton router + routing (2 kernels)": (
-                lambda x, w, k=kernel: routing(x, w, bias, False, k),
-                sets,
-            ),
+            "provider logits": (lambda x, w: rt.router_gemm(x, w), sets),
+            "provider router + routing": (lambda x, w: routing(x, w, bias, False), sets),
+        }
+        if tokens <= rt.TRITON_MAX_TOKENS:
+            variants |= {
+                "triton router gemm": (lambda x, w, k=kernel: rt.router_gemm(x, w, config=k), sets),
+                "triton router + routing (fused)": (
+                    lambda x, w, k=kernel: routing(x, w, bias, True, k),
+                    sets,
+                ),
+                "triton router + routing (2 kernels)": (
+                    lambda x, w, k=kernel: routing(x, w, bias, False, k),
+                    sets,
+                ),
+            }
+        if rt._MM_OUT_DTYPE:
+            variants |= {
+                "cuBLAS on bf16 pieces": (
+                    lambda x, w, p=pieces: rt.router_gemm(x, w, config=p),
+                    sets,
+                ),
+                "cuBLAS on bf16 pieces + routing": (
+                    lambda x, w, p=pieces: routing(x, w, bias, False, p),
+                    sets,
+                ),
+            }
+        variants |= {
             "cuBLAS fp32": (lambda x, w: F.linear(x.float(), w), sets),
             "cuBLAS bf16 weight, fp32 out": (bf16_weight_fp32_out, sets_bf16),
             "torch.compile logits": (compiled_logits, sets),
@@ -461,6 +483,8 @@ def main() -> None:
         copy_bandwidth_end_GBps=round(bw_end / 1e9, 1),
         floor_us=round(floor_us, 3),
         triton_max_tokens=rt.TRITON_MAX_TOKENS,
+        pieces_min_tokens=rt.PIECES_MIN_TOKENS if rt._MM_OUT_DTYPE else None,
+        mm_out_dtype=rt._MM_OUT_DTYPE,
         route_sorted=rt.ROUTE_SORTED,
         split_configs=[(t, repr(c)) for t, c in rt.SPLIT_CONFIGS],
         split_min_tokens=rt.SPLIT_MIN_TOKENS,
@@ -485,6 +509,13 @@ def main() -> None:
     print(md)
 
 
+def provider_bound(meta: dict) -> str:
+    if meta.get("pieces_min_tokens"):
+        return (f"{meta['pieces_min_tokens'] - 1} tokens, cuBLAS on the weight's three bf16 "
+                "pieces (fp32 output) from there")  # fmt: skip
+    return f"{meta['triton_max_tokens']} tokens, cuBLAS fp32 above"
+
+
 def markdown(meta: dict, rows: list[dict]) -> str:
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     by = {(r["tokens"], r["variant"]): r for r in rows}
@@ -493,9 +524,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "",
         f"{meta['device']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['date']}. "
         f"Copy bandwidth measured: {meta['copy_bandwidth_GBps']} GB/s; weight-read floor "
-        f"{meta['floor_us']} us. {meta['timing']}. Routing: {meta['routing']}. Triton GEMM "
-        f"up to {meta['triton_max_tokens']} tokens, cuBLAS above. Cells: us (% of floor) "
-        f"[launches].",
+        f"{meta['floor_us']} us. {meta['timing']}. Routing: {meta['routing']}. The provider: "
+        f"Triton kernels up to {provider_bound(meta)}. Cells: us (% of floor) [launches]; "
+        f"empty where a path does not run at that count.",
         "",
         "| tokens | " + " | ".join(variants) + " |",
         "| ---: |" + " ---: |" * len(variants),
@@ -509,7 +540,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     lines += ["", "Accuracy: logits relative error vs fp64 (norm); tokens whose experts differ "
               "from the reference.", ""]  # fmt: skip
     for r in rows:
-        if "logits_rel_err" in r and r["variant"].startswith("triton"):
+        if "logits_rel_err" in r and not r["variant"].startswith(("torch", "cuBLAS fp32")):
             lines.append(f"- {r['tokens']} tokens, {r['variant']}: {r['logits_rel_err']}")
         if "ids_differ" in r:
             lines.append(f"- {r['tokens']} tokens, {r['variant']}: {r['ids_differ']} differ")

@@ -11,8 +11,11 @@ logits alone, a sum kernel) adds the K splits in a fixed order. Above, split-K w
 program per output tile sums the partials (one launch). The split kernels cut the fp32
 weight exactly into three bf16 pieces (w = w1 + w2 + w3), so the bf16 tensor-core products
 are exact and the fp32 accumulation gives fp32-GEMM accuracy; every sum is in one fixed
-order (bitwise repeatable). Above `TRITON_MAX_TOKENS` tokens cuBLAS serves
-(`F.linear(x.float(), w)`). Every choice is made per call, so no shape recompiles.
+order (bitwise repeatable). From `PIECES_MIN_TOKENS` tokens, cuBLAS on the same three
+pieces: one bf16 GEMM with fp32 output against [w1; w2; w3], whose thirds the reader adds in
+order (fp32-GEMM accuracy at bf16 tensor-core speed, x never widened to fp32). Where torch's
+mm has no fp32 output for bf16 inputs, cuBLAS in fp32 (`F.linear(x.float(), w)`) above
+`TRITON_MAX_TOKENS`. Every choice is made per call, so no shape recompiles.
 `BEAMFX_PDL=0` turns programmatic dependent launch off.
 """
 
@@ -44,8 +47,11 @@ _PDL = (
     and torch.cuda.get_device_capability()[0] >= 9
 )
 # Token counts up to this run the Triton GEMM; above, cuBLAS (measured crossover on an
-# H200, bench/NOTES.md).
+# H200, bench/NOTES.md). From PIECES_MIN_TOKENS, cuBLAS on the weight's bf16 pieces
+# (PiecesConfig) where torch's mm has an fp32 output for bf16 inputs.
 TRITON_MAX_TOKENS = 1024
+PIECES_MIN_TOKENS = 256
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
 # Below this, cuBLAS as well (none: the whole-row kernel beats cuBLAS's 7.7-8.6 us GEMV at
 # 1 token on an H200, bench/results/router.md).
 TRITON_MIN_TOKENS = 1
@@ -219,6 +225,8 @@ if triton is not None:
         ids_ptr,
         row0,
         n_tokens,
+        row_stride,
+        split_stride,
         ROWS: tl.constexpr,
         E: tl.constexpr,
         N_GROUP: tl.constexpr,
@@ -230,19 +238,20 @@ if triton is not None:
         SPLITS: tl.constexpr = 1,
         SORTED: tl.constexpr = False,
     ):
-        # logits_ptr: [SPLITS, n_tokens, E] partial sums over K, added here in split order.
+        # logits_ptr: SPLITS partial sums of [n_tokens, E] (rows row_stride apart, splits
+        # split_stride apart), added here in split order.
         rows = row0 + tl.arange(0, ROWS)
         experts = tl.arange(0, E)
         row_ok = rows < n_tokens
         bias = tl.load(bias_ptr + experts).to(tl.float32)
         if PDL:
             tl.extra.cuda.gdc_wait()
-        at = logits_ptr + rows[:, None] * E + experts[None, :]
+        at = logits_ptr + rows[:, None].to(tl.int64) * row_stride + experts[None, :]
         # .cg: the logits may come from other programs of this launch; bypass L1.
         logits = tl.load(at, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
         for split in tl.static_range(1, SPLITS):
             logits += tl.load(
-                at + split * n_tokens * E, mask=row_ok[:, None], other=0.0, cache_modifier=".cg"
+                at + split * split_stride, mask=row_ok[:, None], other=0.0, cache_modifier=".cg"
             )
         if SORTED:
             weights, ids = _route_sorted(
@@ -263,6 +272,8 @@ if triton is not None:
         weights_ptr,
         ids_ptr,
         n_tokens,
+        row_stride,
+        split_stride,
         ROWS: tl.constexpr,
         E: tl.constexpr,
         N_GROUP: tl.constexpr,
@@ -276,25 +287,38 @@ if triton is not None:
     ):
         row0 = tl.program_id(0) * ROWS
         _route_rows(
-            logits_ptr, bias_ptr, weights_ptr, ids_ptr, row0, n_tokens,
-            ROWS, E, N_GROUP, TOPK_GROUP, TOP_K, K_POW2, RENORM, PDL, SPLITS, SORTED,
+            logits_ptr, bias_ptr, weights_ptr, ids_ptr, row0, n_tokens, row_stride,
+            split_stride, ROWS, E, N_GROUP, TOPK_GROUP, TOP_K, K_POW2, RENORM, PDL, SPLITS,
+            SORTED,
         )  # fmt: skip
 
-    @triton.jit(do_not_specialize=["n_tokens"])
+    @triton.jit(do_not_specialize=["n_tokens", "row_stride", "split_stride"])
     def _sum_splits_kernel(
-        part_ptr, out_ptr, n_tokens, n_cols, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
-        PDL: tl.constexpr,
+        part_ptr, out_ptr, n_tokens, n_cols, row_stride, split_stride, SPLITS: tl.constexpr,
+        BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
-        # out[i] = part[0, i] + part[1, i] + ... in split order (one fixed sum every run).
+        # out[t, c] = part[0][t, c] + part[1][t, c] + ... in split order (one fixed sum every
+        # run); part[s][t, c] at s * split_stride + t * row_stride + c.
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < n_tokens * n_cols
+        row = offs // n_cols
+        at = part_ptr + row.to(tl.int64) * row_stride + (offs - row * n_cols)
         if PDL:
             tl.extra.cuda.gdc_wait()
-        acc = tl.load(part_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
+        acc = tl.load(at, mask=ok, other=0.0, cache_modifier=".cg")
         for split in tl.static_range(1, SPLITS):
-            acc += tl.load(part_ptr + split * n_tokens * n_cols + offs, mask=ok, other=0.0,
-                           cache_modifier=".cg")  # fmt: skip
+            acc += tl.load(at + split * split_stride, mask=ok, other=0.0, cache_modifier=".cg")
         tl.store(out_ptr + offs, acc, mask=ok)
+
+    @triton.jit
+    def _pieces_kernel(w_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        # out[0], out[1], out[2] (n apart): the three bf16 pieces of the fp32 w.
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n
+        w1, w2, w3 = _bf16_pieces(tl.load(w_ptr + offs, mask=ok, other=0.0))
+        tl.store(out_ptr + offs, w1, mask=ok)
+        tl.store(out_ptr + n + offs, w2, mask=ok)
+        tl.store(out_ptr + 2 * n + offs, w3, mask=ok)
 
     @triton.jit(do_not_specialize=["n_tokens"])
     def _router_split_kernel(
@@ -372,7 +396,7 @@ if triton is not None:
             for sub in tl.range(0, rows_here, ROWS):  # a loop, not unrolled: compile time
                 _route_rows(
                     logits_ptr, bias_ptr, weights_ptr, ids_ptr, pid_t * BLOCK_T + sub,
-                    n_tokens, ROWS, E, N_GROUP, TOPK_GROUP, TOP_K, K_POW2, RENORM,
+                    n_tokens, E, 0, ROWS, E, N_GROUP, TOPK_GROUP, TOP_K, K_POW2, RENORM,
                 )  # fmt: skip
             tl.atomic_xchg(route_count_ptr + pid_t, 0)
 
@@ -604,6 +628,17 @@ class SplitConfig:
     pdl: bool = True
 
 
+@dataclass(frozen=True)
+class PiecesConfig:
+    """Many tokens: cuBLAS on the weight's exact bf16 pieces. One small kernel writes the
+    fp32 weight's three pieces ([3 x experts, hidden], bf16); one bf16 GEMM with fp32
+    output gives [tokens, 3 x experts], whose thirds the reader adds in order. The products
+    are exact and cuBLAS accumulates in fp32, so this keeps fp32-GEMM accuracy at bf16
+    tensor-core speed, and x is never widened. A bf16 weight is its own single piece."""
+
+    block: int = 4096  # weight values per program of the pieces kernel
+
+
 # By token count (first whose bound holds); measured on an H200 (bench/NOTES.md).
 GEMM_CONFIGS: list[tuple[int, GemmConfig]] = [
     # Few tokens: 320 programs, each with its whole 16 KB weight chunk in flight (stages =
@@ -641,10 +676,12 @@ GEMV_MAX_TOKENS = 16
 
 # Split-K without a fixup (SplitConfig), by token count (first whose bound holds), from
 # SPLIT_MIN_TOKENS up; ahead of the tables above.
-# Measured on an H200 (bench/results/router_split_sweep.json): at 8-64 tokens the widest
-# expert tile wins for routing (9.9-12.0 us against 9.7-18.4 before); below 8 the
-# whole-row kernel (2.7-3.4 us for the logits, against 7.0-7.2 split).
-SPLIT_MIN_TOKENS = 8
+# Measured on an H200 (bench/results/router_split_sweep.json, router.md): at 16-64 tokens
+# the widest expert tile wins for routing (10.9-12.7 us against 14.9-18.4 for the kernels
+# before); at 8 tokens the whole-row kernel (9.7 us routed, 5.6 for the logits, against
+# 10.5 and 8.1 split); below 8 the whole-row kernel by far (2.4-3.8 us for the logits
+# against ~7 split). vLLM pads decode batches to its CUDA-graph sizes (1, 2, 4, 8, 16, ...).
+SPLIT_MIN_TOKENS = 9
 SPLIT_CONFIGS: list[tuple[int, SplitConfig]] = [(64, SplitConfig(64, 256, 4))]
 # The K splits the readers add (unrolled), at most.
 MAX_SPLITS = 64
@@ -654,12 +691,22 @@ ROUTE_SORTED = triton is not None and hasattr(tl, "topk")
 
 
 def _gemm_config(n_tokens: int) -> GemmConfig | GemvConfig | SplitConfig:
+    """The Triton kernel's tiling at this token count."""
     split = next((c for bound, c in SPLIT_CONFIGS if n_tokens <= bound), None)
     if split is not None and n_tokens >= SPLIT_MIN_TOKENS:
         return split
     if n_tokens <= GEMV_MAX_TOKENS:
         return next(c for bound, c in GEMV_CONFIGS if n_tokens <= bound)
     return next(c for bound, c in GEMM_CONFIGS if n_tokens <= bound)
+
+
+def _default_config(n_tokens: int) -> GemmConfig | GemvConfig | SplitConfig | PiecesConfig | None:
+    """The provider's choice at this token count; None: plain cuBLAS (the reference)."""
+    if n_tokens >= PIECES_MIN_TOKENS and _MM_OUT_DTYPE:
+        return PiecesConfig()
+    if TRITON_MIN_TOKENS <= n_tokens <= TRITON_MAX_TOKENS:
+        return _gemm_config(n_tokens)
+    return None
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -791,14 +838,41 @@ def _launch_split(x2d: torch.Tensor, weight: torch.Tensor, config: SplitConfig):
     return part, n_splits
 
 
-def _sum_splits(part: torch.Tensor, logits: torch.Tensor) -> None:
-    n_splits, n_tokens, n_experts = part.shape
+def _split_strides(part: torch.Tensor, n_splits: int, n_experts: int) -> tuple[int, int]:
+    """(row stride, split stride) of the partials: [splits, tokens, experts] from the split
+    kernel, or [tokens, splits x experts] from the pieces GEMM."""
+    if part.dim() == 3:
+        return part.stride(1), part.stride(0)
+    assert part.shape[1] == n_splits * n_experts, (part.shape, n_splits, n_experts)
+    return part.stride(0), n_experts
+
+
+def _sum_splits(part: torch.Tensor, logits: torch.Tensor, n_splits: int | None = None) -> None:
+    n_tokens, n_experts = logits.shape
+    n_splits = n_splits or part.shape[0]
+    row_stride, split_stride = _split_strides(part, n_splits, n_experts)
     block = 256  # a token's logits per program at Beam's 256 experts: many programs
     pdl = _PDL and part.device.type == "cuda"
     _sum_splits_kernel[(triton.cdiv(n_tokens * n_experts, block),)](
-        part, logits, n_tokens, n_experts, SPLITS=n_splits, BLOCK=block, PDL=pdl, num_warps=2,
-        **({"launch_pdl": True} if pdl else {}),
+        part, logits, n_tokens, n_experts, row_stride, split_stride, SPLITS=n_splits,
+        BLOCK=block, PDL=pdl, num_warps=2, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
+
+
+def _launch_pieces(x2d: torch.Tensor, weight: torch.Tensor, config: PiecesConfig):
+    """Partial logits [tokens, pieces x experts] by one bf16 GEMM on the weight's exact
+    bf16 pieces; returns (partials, pieces)."""
+    n_experts, hidden = weight.shape
+    pieces = weight
+    if weight.dtype == torch.float32:
+        pieces = torch.empty((3 * n_experts, hidden), dtype=torch.bfloat16, device=weight.device)
+        n = weight.numel()
+        _pieces_kernel[(triton.cdiv(n, config.block),)](weight, pieces, n, BLOCK=config.block)
+    if x2d.device.type == "cuda":
+        part = torch.mm(x2d, pieces.t(), out_dtype=torch.float32)
+    else:  # CPU (tests under Triton's interpreter): the same exact products, fp32 sums
+        part = torch.mm(x2d.float(), pieces.float().t())
+    return part, pieces.shape[0] // n_experts
 
 
 def _launch_gemv(x2d, weight, logits, route, config: GemvConfig) -> None:
@@ -856,9 +930,10 @@ def _launch_gemv(x2d, weight, logits, route, config: GemvConfig) -> None:
 def _launch_route(
     logits, bias, weights, ids, top_k, n_group, topk_group, renormalize, splits: int = 1
 ) -> None:
-    """Route `logits` [tokens, experts], or the sum of `splits` partials [splits, tokens,
-    experts]."""
-    n_tokens, n_experts = logits.shape[-2:]
+    """Route `logits` [tokens, experts], or the sum of `splits` partials: [splits, tokens,
+    experts] or [tokens, splits x experts]."""
+    n_tokens, n_experts = ids.shape[0], bias.shape[0]
+    row_stride, split_stride = _split_strides(logits, splits, n_experts)
     pdl = ROUTE_PDL and _PDL and logits.device.type == "cuda"
     _route_kernel[(triton.cdiv(n_tokens, ROUTE_ROWS),)](
         logits,
@@ -866,6 +941,8 @@ def _launch_route(
         weights,
         ids,
         n_tokens,
+        row_stride,
+        split_stride,
         ROWS=ROUTE_ROWS,
         E=n_experts,
         N_GROUP=n_group,
@@ -885,25 +962,30 @@ def router_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
     *,
-    config: GemmConfig | GemvConfig | SplitConfig | None = None,
+    config: GemmConfig | GemvConfig | SplitConfig | PiecesConfig | None = None,
 ) -> torch.Tensor:
-    """`reference.router_logits`: the Triton kernels from TRITON_MIN_TOKENS to
-    TRITON_MAX_TOKENS tokens (whole rows per program up to GEMV_MAX_TOKENS, split-K above),
-    cuBLAS outside, chosen per call.
+    """`reference.router_logits`: the Triton kernels from TRITON_MIN_TOKENS tokens (whole
+    rows per program up to GEMV_MAX_TOKENS, split-K above), cuBLAS on the weight's bf16
+    pieces from PIECES_MIN_TOKENS, chosen per call; plain cuBLAS (the reference) outside
+    those ranges.
 
-    `config` forces the kernel with that tiling (benchmarks and tests).
+    `config` forces that path and tiling (benchmarks and tests).
     """
     hidden = x.shape[-1]
     n_tokens = x.numel() // hidden if hidden else 0
-    in_range = TRITON_MIN_TOKENS <= n_tokens <= TRITON_MAX_TOKENS
-    if n_tokens == 0 or not (in_range or config is not None):
+    config = config or _default_config(n_tokens)
+    if n_tokens == 0 or config is None:
         return reference.router_logits(x, weight)
     logits = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32, device=x.device)
     x2d = x.reshape(n_tokens, hidden).contiguous()
-    config = config or _gemm_config(n_tokens)
-    if isinstance(config, SplitConfig):
+    if isinstance(config, PiecesConfig):
+        part, n_pieces = _launch_pieces(x2d, weight.contiguous(), config)
+        if n_pieces == 1:
+            return part.view(logits.shape)
+        _sum_splits(part, logits.view(n_tokens, -1), n_pieces)
+    elif isinstance(config, SplitConfig):
         part, _ = _launch_split(x2d, weight.contiguous(), config)
-        _sum_splits(part, logits)
+        _sum_splits(part, logits.view(n_tokens, -1))
     else:
         _launch_gemm(x2d, weight.contiguous(), logits, None, config)
     return logits
@@ -919,7 +1001,7 @@ def routed_topk(
     renormalize: bool,
     *,
     fused: bool | None = None,
-    config: GemmConfig | GemvConfig | SplitConfig | None = None,
+    config: GemmConfig | GemvConfig | SplitConfig | PiecesConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference.routed_topk`: router GEMM and grouped top-k, fused into the GEMM's last
     programs when `fused` (default FUSED_ROUTING), else a second small kernel."""
@@ -936,12 +1018,12 @@ def routed_topk(
         return weights, ids
     bias = correction_bias.contiguous()
     fused = FUSED_ROUTING if fused is None else fused
-    in_range = TRITON_MIN_TOKENS <= n_tokens <= TRITON_MAX_TOKENS
-    if in_range or config is not None:
-        config = config or _gemm_config(n_tokens)
-    if isinstance(config, SplitConfig):
-        # The routing kernel adds the K splits: the logits never exist whole.
-        part, splits = _launch_split(x2d.contiguous(), weight.contiguous(), config)
+    config = config or _default_config(n_tokens)
+    if isinstance(config, (SplitConfig, PiecesConfig)):
+        # The routing kernel adds the K splits (or the weight's pieces): the logits never
+        # exist whole.
+        launch = _launch_split if isinstance(config, SplitConfig) else _launch_pieces
+        part, splits = launch(x2d.contiguous(), weight.contiguous(), config)
         _launch_route(part, bias, weights, ids, top_k, n_group, topk_group, renormalize, splits)
     elif fused and config is not None:
         logits = torch.empty((n_tokens, n_experts), dtype=torch.float32, device=x.device)

@@ -178,6 +178,9 @@ SMALL_CONFIGS = [
     # chunks that do and do not divide hidden, one token tile or several.
     rt.SplitConfig(block_e=16, k_chunk=64, num_warps=4),
     rt.SplitConfig(block_e=32, k_chunk=128, num_warps=4, max_block_t=16),
+    # Many tokens: one GEMM on the weight's three bf16 pieces, their thirds added by the
+    # reader (the pieces kernel's blocks do not divide the weight).
+    rt.PiecesConfig(block=512),
 ]
 
 
@@ -233,6 +236,50 @@ def test_interpreted_split_k_adds_every_split(config):
     weights, ids = rt.routed_topk(x, w, bias, 8, 8, 4, True, config=config)
     _, ref_ids = reference.routed_topk(x, w, bias, 8, 8, 4, True)
     check_routing(weights, ids, x.double() @ w.double().T, bias, 8, 8, 4, True, ref_ids)
+
+
+@needs_interpreter
+@settings(deadline=None)
+@given(
+    shape=st.sampled_from([(16, 64), (48, 200), (64, 448)]),
+    scale=st.sampled_from([1.0, 2.0**-60, 2.0**60]),
+    seed=st.integers(0, 2**16),
+)
+def test_interpreted_pieces_sum_to_the_weight_exactly(shape, scale, seed):
+    # Every product with a piece is exact only if the pieces add up to w bit for bit (as
+    # long as the third piece is a normal number: |w| above about 2^-110).
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=g) * scale
+    pieces = torch.empty((3 * shape[0], shape[1]), dtype=torch.bfloat16)
+    rt._pieces_kernel[(rt.triton.cdiv(w.numel(), 512),)](w, pieces, w.numel(), BLOCK=512)
+    p1, p2, p3 = pieces.float().view(3, *shape)
+    assert torch.equal((p1 + p2) + p3, w)
+    # Each piece below the last one's unit in the last place (truncating or rounding).
+    assert (p2.abs() <= p1.abs() * 2**-7).all() and (p3.abs() <= p2.abs() * 2**-7).all()
+
+
+@needs_interpreter
+def test_interpreted_pieces_from_their_token_count(monkeypatch):
+    # From PIECES_MIN_TOKENS the provider takes the pieces GEMM: the same bits as forcing it.
+    x, w, bias = make_router(12, 256, 64, torch.float32, "cpu", seed=3)
+    forced = rt.router_gemm(x, w, config=rt.PiecesConfig())
+    forced_route = rt.routed_topk(x, w, bias, 8, 8, 4, True, config=rt.PiecesConfig())
+    monkeypatch.setattr(rt, "PIECES_MIN_TOKENS", 12)
+    assert torch.equal(rt.router_gemm(x, w), forced)
+    got = rt.routed_topk(x, w, bias, 8, 8, 4, True)
+    assert torch.equal(got[0], forced_route[0]) and torch.equal(got[1], forced_route[1])
+    monkeypatch.setattr(rt, "PIECES_MIN_TOKENS", 13)
+    assert not torch.equal(rt.router_gemm(x, w), forced)  # the split kernel: other sums
+    check_logits(forced, x, w)
+    # The readers add all three pieces' products, in order: the same bits as doing so here.
+    pieces = torch.empty((3 * 64, 256), dtype=torch.bfloat16)
+    rt._pieces_kernel[(rt.triton.cdiv(w.numel(), 1024),)](w, pieces, w.numel(), BLOCK=1024)
+    thirds = (x.float() @ pieces.float().T).view(12, 3, 64)
+    logits = (thirds[:, 0] + thirds[:, 1]) + thirds[:, 2]
+    assert torch.equal(forced, logits)
+    weights, ids = torch.empty(12, 8), torch.empty(12, 8, dtype=torch.int32)
+    rt._launch_route(logits, bias, weights, ids, 8, 8, 4, True)
+    assert torch.equal(forced_route[0], weights) and torch.equal(forced_route[1], ids)
 
 
 @contextlib.contextmanager
@@ -319,7 +366,7 @@ def test_interpreted_entry_points_and_crossover(monkeypatch):
 # --- GPU: an H200 --------------------------------------------------------------------------
 
 gpu = pytest.mark.gpu
-BEAM_TOKENS = [1, 2, 3, 8, 16, 17, 33, 64, 100, 128, 1000, 1500]
+BEAM_TOKENS = [1, 2, 3, 8, 16, 17, 33, 64, 100, 128, 256, 1000, 1500, 8192]
 
 
 @gpu
@@ -388,6 +435,25 @@ def test_gpu_split_tilings(config, hidden, experts, tokens, sorted_keys):
         args = (BEAM_ROUTING["top_k"], BEAM_ROUTING["n_group"], BEAM_ROUTING["topk_group"])
         with routing_by(sorted_keys):
             weights, ids = rt.routed_topk(x, w, bias, *args, True, config=config)
+        _, ref_ids = reference.routed_topk(x, w, bias, *args, True)
+        check_routing(weights, ids, x.double() @ w.double().T, bias, *args, True, ref_ids)
+
+
+@gpu
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden, experts", [(5120, 256), (7168, 256), (1000, 96)])
+@pytest.mark.parametrize("tokens", [1, 33, 256, 4096, 8192])
+def test_gpu_pieces_gemm(weight_dtype, hidden, experts, tokens):
+    # cuBLAS on the weight's bf16 pieces (fp32 output), forced at every token count.
+    assert rt._MM_OUT_DTYPE, "torch.mm has no out_dtype here: the pieces path is off"
+    x, w, bias = make_router(tokens, hidden, experts, weight_dtype, "cuda", seed=tokens + hidden)
+    config = rt.PiecesConfig()
+    first = rt.router_gemm(x, w, config=config)
+    check_logits(first, x, w)
+    assert torch.equal(rt.router_gemm(x, w, config=config), first)
+    if experts == 256:
+        args = (BEAM_ROUTING["top_k"], BEAM_ROUTING["n_group"], BEAM_ROUTING["topk_group"])
+        weights, ids = rt.routed_topk(x, w, bias, *args, True, config=config)
         _, ref_ids = reference.routed_topk(x, w, bias, *args, True)
         check_routing(weights, ids, x.double() @ w.double().T, bias, *args, True, ref_ids)
 
