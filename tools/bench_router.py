@@ -62,6 +62,12 @@ def logits_error(out: torch.Tensor, x, w) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
+def elements_off(out: torch.Tensor, x, w, tol=1e-5) -> int:
+    """Logits farther than tol + tol x |exact| from the fp64 product."""
+    ref = x.double() @ w.double().T
+    return int(((out.double() - ref).abs() > tol + tol * ref.abs()).sum())
+
+
 def routing(x, w, bias, fused, config=None):
     return rt.routed_topk(x, w, bias, TOP_K, N_GROUP, TOPK_GROUP, True, fused=fused, config=config)
 
@@ -403,7 +409,7 @@ def main() -> None:
         # The Triton kernels forced, up to TRITON_MAX_TOKENS; the cuBLAS pieces GEMM forced;
         # and what the provider chooses at this count.
         kernel = rt._gemm_config(tokens)
-        pieces = rt.PiecesConfig()
+        pieces = rt.PIECES_CONFIG
         variants = {
             "provider logits": (lambda x, w: rt.router_gemm(x, w), sets),
             "provider router + routing": (lambda x, w: routing(x, w, bias, False), sets),
@@ -431,6 +437,13 @@ def main() -> None:
                     sets,
                 ),
             }
+            for chunks in (1, 2, 4):  # shorter tensor-core sums: accuracy against time
+                if chunks != pieces.k_chunks:
+                    cfg = rt.PiecesConfig(k_chunks=chunks)
+                    variants[f"cuBLAS on bf16 pieces, K in {chunks}"] = (
+                        lambda x, w, c=cfg: rt.router_gemm(x, w, config=c),
+                        sets,
+                    )
         variants |= {
             "cuBLAS fp32": (lambda x, w: F.linear(x.float(), w), sets),
             "cuBLAS bf16 weight, fp32 out": (bf16_weight_fp32_out, sets_bf16),
@@ -449,6 +462,7 @@ def main() -> None:
                 )
             else:
                 row["logits_rel_err"] = float(f"{logits_error(out, *fn_sets[0]):.2e}")
+                row["elements_off_1e-5"] = elements_off(out, *fn_sets[0])
             us = time_per_call(fn, fn_sets)
             row.update(us=round(us, 2), pct_floor=round(100 * floor_us / us, 1))
             row["launches"] = count_launches(fn, fn_sets[0])
@@ -484,6 +498,7 @@ def main() -> None:
         floor_us=round(floor_us, 3),
         triton_max_tokens=rt.TRITON_MAX_TOKENS,
         pieces_min_tokens=rt.PIECES_MIN_TOKENS if rt._MM_OUT_DTYPE else None,
+        pieces_config=repr(rt.PIECES_CONFIG),
         mm_out_dtype=rt._MM_OUT_DTYPE,
         route_sorted=rt.ROUTE_SORTED,
         split_configs=[(t, repr(c)) for t, c in rt.SPLIT_CONFIGS],
@@ -516,6 +531,10 @@ def provider_bound(meta: dict) -> str:
     return f"{meta['triton_max_tokens']} tokens, cuBLAS fp32 above"
 
 
+def pieces_note(meta: dict) -> str:
+    return f" ({meta['pieces_config']})" if meta.get("pieces_config") else ""
+
+
 def markdown(meta: dict, rows: list[dict]) -> str:
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     by = {(r["tokens"], r["variant"]): r for r in rows}
@@ -525,7 +544,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"{meta['device']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['date']}. "
         f"Copy bandwidth measured: {meta['copy_bandwidth_GBps']} GB/s; weight-read floor "
         f"{meta['floor_us']} us. {meta['timing']}. Routing: {meta['routing']}. The provider: "
-        f"Triton kernels up to {provider_bound(meta)}. Cells: us (% of floor) [launches]; "
+        f"Triton kernels up to {provider_bound(meta)}{pieces_note(meta)}. Cells: us (% of "
+        "floor) [launches]; "
         f"empty where a path does not run at that count.",
         "",
         "| tokens | " + " | ".join(variants) + " |",
@@ -541,7 +561,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
               "from the reference.", ""]  # fmt: skip
     for r in rows:
         if "logits_rel_err" in r and not r["variant"].startswith(("torch", "cuBLAS fp32")):
-            lines.append(f"- {r['tokens']} tokens, {r['variant']}: {r['logits_rel_err']}")
+            lines.append(f"- {r['tokens']} tokens, {r['variant']}: {r['logits_rel_err']} "
+                         f"({r['elements_off_1e-5']} logits off by more than 1e-5 + 1e-5 "
+                         "relative)")  # fmt: skip
         if "ids_differ" in r:
             lines.append(f"- {r['tokens']} tokens, {r['variant']}: {r['ids_differ']} differ")
     return "\n".join(lines) + "\n"

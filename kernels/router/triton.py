@@ -51,7 +51,7 @@ _PDL = (
 # (PiecesConfig) where torch's mm has an fp32 output for bf16 inputs.
 TRITON_MAX_TOKENS = 1024
 PIECES_MIN_TOKENS = 256
-_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.bmm, "dtype")
 # Below this, cuBLAS as well (none: the whole-row kernel beats cuBLAS's 7.7-8.6 us GEMV at
 # 1 token on an H200, bench/results/router.md).
 TRITON_MIN_TOKENS = 1
@@ -237,9 +237,10 @@ if triton is not None:
         PDL: tl.constexpr = False,
         SPLITS: tl.constexpr = 1,
         SORTED: tl.constexpr = False,
+        PIECES: tl.constexpr = 1,
     ):
-        # logits_ptr: SPLITS partial sums of [n_tokens, E] (rows row_stride apart, splits
-        # split_stride apart), added here in split order.
+        # logits_ptr: SPLITS partial sums of [n_tokens, E], added here in split order. Split
+        # i sits at (i // PIECES) * split_stride + (i % PIECES) * E; rows row_stride apart.
         rows = row0 + tl.arange(0, ROWS)
         experts = tl.arange(0, E)
         row_ok = rows < n_tokens
@@ -250,9 +251,8 @@ if triton is not None:
         # .cg: the logits may come from other programs of this launch; bypass L1.
         logits = tl.load(at, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
         for split in tl.static_range(1, SPLITS):
-            logits += tl.load(
-                at + split * split_stride, mask=row_ok[:, None], other=0.0, cache_modifier=".cg"
-            )
+            off = (split // PIECES) * split_stride + (split % PIECES) * E
+            logits += tl.load(at + off, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
         if SORTED:
             weights, ids = _route_sorted(
                 logits, bias, ROWS, E, N_GROUP, TOPK_GROUP, TOP_K, K_POW2, RENORM
@@ -284,21 +284,23 @@ if triton is not None:
         PDL: tl.constexpr,
         SPLITS: tl.constexpr,
         SORTED: tl.constexpr,
+        PIECES: tl.constexpr,
     ):
         row0 = tl.program_id(0) * ROWS
         _route_rows(
             logits_ptr, bias_ptr, weights_ptr, ids_ptr, row0, n_tokens, row_stride,
             split_stride, ROWS, E, N_GROUP, TOPK_GROUP, TOP_K, K_POW2, RENORM, PDL, SPLITS,
-            SORTED,
+            SORTED, PIECES,
         )  # fmt: skip
 
     @triton.jit(do_not_specialize=["n_tokens", "row_stride", "split_stride"])
     def _sum_splits_kernel(
         part_ptr, out_ptr, n_tokens, n_cols, row_stride, split_stride, SPLITS: tl.constexpr,
-        BLOCK: tl.constexpr, PDL: tl.constexpr,
+        PIECES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         # out[t, c] = part[0][t, c] + part[1][t, c] + ... in split order (one fixed sum every
-        # run); part[s][t, c] at s * split_stride + t * row_stride + c.
+        # run); part[i][t, c] at (i // PIECES) * split_stride + (i % PIECES) * n_cols +
+        # t * row_stride + c.
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < n_tokens * n_cols
         row = offs // n_cols
@@ -307,7 +309,8 @@ if triton is not None:
             tl.extra.cuda.gdc_wait()
         acc = tl.load(at, mask=ok, other=0.0, cache_modifier=".cg")
         for split in tl.static_range(1, SPLITS):
-            acc += tl.load(at + split * split_stride, mask=ok, other=0.0, cache_modifier=".cg")
+            off = (split // PIECES) * split_stride + (split % PIECES) * n_cols
+            acc += tl.load(at + off, mask=ok, other=0.0, cache_modifier=".cg")
         tl.store(out_ptr + offs, acc, mask=ok)
 
     @triton.jit
@@ -637,6 +640,19 @@ class PiecesConfig:
     tensor-core speed, and x is never widened. A bf16 weight is its own single piece."""
 
     block: int = 4096  # weight values per program of the pieces kernel
+    # x and the pieces cut along K into this many chunks (one batched GEMM), their products
+    # added by the reader in fp32: shorter tensor-core accumulations are closer to fp32
+    # (whose adds there are not IEEE-rounded).
+    k_chunks: int = 1
+
+
+# The pieces GEMM from PIECES_MIN_TOKENS tokens, K in four chunks. Measured on an H200
+# (bench/NOTES.md): in one chunk (cuBLAS's tensor-core sums over all of K = 5120) 4-77
+# logits a call sat off the fp64 product by more than 1e-5 + 1e-5 relative at 512-8192
+# tokens (5.6e-6 in norm); in two, none in the benchmark (2.7e-6), but 4 of 131072 off the
+# fp32 reference by more than that in a pass test; in four, 1.3e-6 in norm (the split-K
+# Triton kernel: 1.8e-6), for 161 against 117 us at 8192 tokens (cuBLAS fp32: 544).
+PIECES_CONFIG = PiecesConfig(k_chunks=4)
 
 
 # By token count (first whose bound holds); measured on an H200 (bench/NOTES.md).
@@ -703,7 +719,7 @@ def _gemm_config(n_tokens: int) -> GemmConfig | GemvConfig | SplitConfig:
 def _default_config(n_tokens: int) -> GemmConfig | GemvConfig | SplitConfig | PiecesConfig | None:
     """The provider's choice at this token count; None: plain cuBLAS (the reference)."""
     if n_tokens >= PIECES_MIN_TOKENS and _MM_OUT_DTYPE:
-        return PiecesConfig()
+        return PIECES_CONFIG
     if TRITON_MIN_TOKENS <= n_tokens <= TRITON_MAX_TOKENS:
         return _gemm_config(n_tokens)
     return None
@@ -748,6 +764,8 @@ def _launch_gemm(
     n_tokens, hidden = x2d.shape
     n_experts = weight.shape[0]
     config = config or _gemm_config(n_tokens)
+    if isinstance(config, SplitConfig):  # no fixup there: this launch's split-K tiling
+        config = next(c for bound, c in GEMM_CONFIGS if n_tokens <= bound)
     if isinstance(config, GemvConfig):
         _launch_gemv(x2d, weight, logits, route, config)
         return
@@ -838,41 +856,54 @@ def _launch_split(x2d: torch.Tensor, weight: torch.Tensor, config: SplitConfig):
     return part, n_splits
 
 
-def _split_strides(part: torch.Tensor, n_splits: int, n_experts: int) -> tuple[int, int]:
-    """(row stride, split stride) of the partials: [splits, tokens, experts] from the split
-    kernel, or [tokens, splits x experts] from the pieces GEMM."""
-    if part.dim() == 3:
-        return part.stride(1), part.stride(0)
-    assert part.shape[1] == n_splits * n_experts, (part.shape, n_splits, n_experts)
-    return part.stride(0), n_experts
+def _split_layout(part: torch.Tensor, n_experts: int) -> tuple[int, int, int, int]:
+    """(splits, row stride, split stride, pieces) of partial logits [chunks, tokens, pieces
+    x experts] (the split kernel: one piece; the pieces GEMM: three) or whole logits
+    [tokens, experts]; split i is piece i % pieces of chunk i // pieces."""
+    if part.dim() == 2:
+        return 1, part.stride(0), 0, 1
+    pieces = part.shape[2] // n_experts
+    assert part.shape[2] == pieces * n_experts and part.stride(2) == 1, part.shape
+    return part.shape[0] * pieces, part.stride(1), part.stride(0), pieces
 
 
-def _sum_splits(part: torch.Tensor, logits: torch.Tensor, n_splits: int | None = None) -> None:
+def _sum_splits(part: torch.Tensor, logits: torch.Tensor) -> None:
     n_tokens, n_experts = logits.shape
-    n_splits = n_splits or part.shape[0]
-    row_stride, split_stride = _split_strides(part, n_splits, n_experts)
+    n_splits, row_stride, split_stride, pieces = _split_layout(part, n_experts)
     block = 256  # a token's logits per program at Beam's 256 experts: many programs
     pdl = _PDL and part.device.type == "cuda"
     _sum_splits_kernel[(triton.cdiv(n_tokens * n_experts, block),)](
         part, logits, n_tokens, n_experts, row_stride, split_stride, SPLITS=n_splits,
-        BLOCK=block, PDL=pdl, num_warps=2, **({"launch_pdl": True} if pdl else {}),
+        PIECES=pieces, BLOCK=block, PDL=pdl, num_warps=2,
+        **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
 
 
 def _launch_pieces(x2d: torch.Tensor, weight: torch.Tensor, config: PiecesConfig):
-    """Partial logits [tokens, pieces x experts] by one bf16 GEMM on the weight's exact
-    bf16 pieces; returns (partials, pieces)."""
-    n_experts, hidden = weight.shape
+    """Partial logits [chunks, tokens, pieces x experts]: one batched bf16 GEMM (fp32
+    output) of x's K chunks with the weight's exact bf16 pieces; returns (partials, splits)."""
+    n_tokens, hidden = x2d.shape
+    n_experts = weight.shape[0]
     pieces = weight
     if weight.dtype == torch.float32:
         pieces = torch.empty((3 * n_experts, hidden), dtype=torch.bfloat16, device=weight.device)
         n = weight.numel()
         _pieces_kernel[(triton.cdiv(n, config.block),)](weight, pieces, n, BLOCK=config.block)
+    chunks = _k_chunks(hidden, config.k_chunks)
+    kc = hidden // chunks
+    # Views, no copies: x [chunks, tokens, kc] and the pieces [chunks, kc, pieces x experts].
+    a = x2d.as_strided((chunks, n_tokens, kc), (kc, x2d.stride(0), 1))
+    b = pieces.as_strided((chunks, kc, pieces.shape[0]), (kc, 1, pieces.stride(0)))
     if x2d.device.type == "cuda":
-        part = torch.mm(x2d, pieces.t(), out_dtype=torch.float32)
+        part = torch.bmm(a, b, out_dtype=torch.float32)
     else:  # CPU (tests under Triton's interpreter): the same exact products, fp32 sums
-        part = torch.mm(x2d.float(), pieces.float().t())
-    return part, pieces.shape[0] // n_experts
+        part = torch.bmm(a.float(), b.float())
+    return part, chunks * (pieces.shape[0] // n_experts)
+
+
+def _k_chunks(hidden: int, wanted: int) -> int:
+    """The most K chunks, up to `wanted`, that cut hidden into 16-byte-aligned equal parts."""
+    return next(c for c in range(max(1, wanted), 0, -1) if hidden % (8 * c) == 0 or c == 1)
 
 
 def _launch_gemv(x2d, weight, logits, route, config: GemvConfig) -> None:
@@ -933,7 +964,8 @@ def _launch_route(
     """Route `logits` [tokens, experts], or the sum of `splits` partials: [splits, tokens,
     experts] or [tokens, splits x experts]."""
     n_tokens, n_experts = ids.shape[0], bias.shape[0]
-    row_stride, split_stride = _split_strides(logits, splits, n_experts)
+    n_splits, row_stride, split_stride, pieces = _split_layout(logits, n_experts)
+    assert n_splits == splits, (n_splits, splits)
     pdl = ROUTE_PDL and _PDL and logits.device.type == "cuda"
     _route_kernel[(triton.cdiv(n_tokens, ROUTE_ROWS),)](
         logits,
@@ -953,6 +985,7 @@ def _launch_route(
         PDL=pdl,
         SPLITS=splits,
         SORTED=ROUTE_SORTED,
+        PIECES=pieces,
         num_warps=ROUTE_WARPS,
         **({"launch_pdl": True} if pdl else {}),
     )
@@ -979,10 +1012,10 @@ def router_gemm(
     logits = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32, device=x.device)
     x2d = x.reshape(n_tokens, hidden).contiguous()
     if isinstance(config, PiecesConfig):
-        part, n_pieces = _launch_pieces(x2d, weight.contiguous(), config)
-        if n_pieces == 1:
+        part, n_splits = _launch_pieces(x2d, weight.contiguous(), config)
+        if n_splits == 1:
             return part.view(logits.shape)
-        _sum_splits(part, logits.view(n_tokens, -1), n_pieces)
+        _sum_splits(part, logits.view(n_tokens, -1))
     elif isinstance(config, SplitConfig):
         part, _ = _launch_split(x2d, weight.contiguous(), config)
         _sum_splits(part, logits.view(n_tokens, -1))

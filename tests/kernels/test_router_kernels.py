@@ -181,6 +181,7 @@ SMALL_CONFIGS = [
     # Many tokens: one GEMM on the weight's three bf16 pieces, their thirds added by the
     # reader (the pieces kernel's blocks do not divide the weight).
     rt.PiecesConfig(block=512),
+    rt.PiecesConfig(block=512, k_chunks=4),  # K in 4 chunks where hidden allows
 ]
 
 
@@ -262,8 +263,9 @@ def test_interpreted_pieces_sum_to_the_weight_exactly(shape, scale, seed):
 def test_interpreted_pieces_from_their_token_count(monkeypatch):
     # From PIECES_MIN_TOKENS the provider takes the pieces GEMM: the same bits as forcing it.
     x, w, bias = make_router(12, 256, 64, torch.float32, "cpu", seed=3)
-    forced = rt.router_gemm(x, w, config=rt.PiecesConfig())
-    forced_route = rt.routed_topk(x, w, bias, 8, 8, 4, True, config=rt.PiecesConfig())
+    forced_config = rt.PIECES_CONFIG
+    forced = rt.router_gemm(x, w, config=forced_config)
+    forced_route = rt.routed_topk(x, w, bias, 8, 8, 4, True, config=forced_config)
     monkeypatch.setattr(rt, "PIECES_MIN_TOKENS", 12)
     assert torch.equal(rt.router_gemm(x, w), forced)
     got = rt.routed_topk(x, w, bias, 8, 8, 4, True)
@@ -271,15 +273,20 @@ def test_interpreted_pieces_from_their_token_count(monkeypatch):
     monkeypatch.setattr(rt, "PIECES_MIN_TOKENS", 13)
     assert not torch.equal(rt.router_gemm(x, w), forced)  # the split kernel: other sums
     check_logits(forced, x, w)
-    # The readers add all three pieces' products, in order: the same bits as doing so here.
-    pieces = torch.empty((3 * 64, 256), dtype=torch.bfloat16)
-    rt._pieces_kernel[(rt.triton.cdiv(w.numel(), 1024),)](w, pieces, w.numel(), BLOCK=1024)
-    thirds = (x.float() @ pieces.float().T).view(12, 3, 64)
-    logits = (thirds[:, 0] + thirds[:, 1]) + thirds[:, 2]
-    assert torch.equal(forced, logits)
-    weights, ids = torch.empty(12, 8), torch.empty(12, 8, dtype=torch.int32)
-    rt._launch_route(logits, bias, weights, ids, 8, 8, 4, True)
-    assert torch.equal(forced_route[0], weights) and torch.equal(forced_route[1], ids)
+    # The readers add every K chunk's three pieces' products, in order: the same bits as
+    # doing so here.
+    for chunks in (1, 4):
+        config = rt.PiecesConfig(k_chunks=chunks)
+        part, splits = rt._launch_pieces(x, w, config)
+        assert part.shape == (chunks, 12, 3 * 64) and splits == 3 * chunks
+        logits = part[0, :, :64]
+        for i in range(1, splits):
+            logits = logits + part[i // 3, :, i % 3 * 64 : (i % 3 + 1) * 64]
+        assert torch.equal(rt.router_gemm(x, w, config=config), logits)
+        weights, ids = torch.empty(12, 8), torch.empty(12, 8, dtype=torch.int32)
+        rt._launch_route(logits, bias, weights, ids, 8, 8, 4, True)
+        routed = rt.routed_topk(x, w, bias, 8, 8, 4, True, config=config)
+        assert torch.equal(routed[0], weights) and torch.equal(routed[1], ids)
 
 
 @contextlib.contextmanager
@@ -376,8 +383,14 @@ def test_gpu_gemm_beam_shape(tokens, weight_dtype):
     x, w, _ = make_router(tokens, 5120, 256, weight_dtype, "cuda", seed=tokens)
     check_logits(rt.router_gemm(x, w), x, w)
     if tokens <= rt.TRITON_MAX_TOKENS:
+        # The Triton kernel at this count, into NaNs: every logit written.
+        config = rt._gemm_config(tokens)
         logits = torch.full((tokens, 256), float("nan"), device="cuda")
-        rt._launch_gemm(x, w, logits, None)
+        if isinstance(config, rt.SplitConfig):
+            part, _ = rt._launch_split(x, w, config)
+            rt._sum_splits(part, logits)
+        else:
+            rt._launch_gemm(x, w, logits, None, config)
         check_logits(logits, x, w)
 
 
@@ -443,11 +456,12 @@ def test_gpu_split_tilings(config, hidden, experts, tokens, sorted_keys):
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden, experts", [(5120, 256), (7168, 256), (1000, 96)])
 @pytest.mark.parametrize("tokens", [1, 33, 256, 4096, 8192])
-def test_gpu_pieces_gemm(weight_dtype, hidden, experts, tokens):
+@pytest.mark.parametrize("k_chunks", [1, 4])
+def test_gpu_pieces_gemm(weight_dtype, hidden, experts, tokens, k_chunks):
     # cuBLAS on the weight's bf16 pieces (fp32 output), forced at every token count.
-    assert rt._MM_OUT_DTYPE, "torch.mm has no out_dtype here: the pieces path is off"
+    assert rt._MM_OUT_DTYPE, "torch.bmm has no out_dtype here: the pieces path is off"
     x, w, bias = make_router(tokens, hidden, experts, weight_dtype, "cuda", seed=tokens + hidden)
-    config = rt.PiecesConfig()
+    config = rt.PiecesConfig(k_chunks=k_chunks)
     first = rt.router_gemm(x, w, config=config)
     check_logits(first, x, w)
     assert torch.equal(rt.router_gemm(x, w, config=config), first)
