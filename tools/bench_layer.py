@@ -302,11 +302,14 @@ ROWS_RUN = """\
 - **torch.compile**: the plain model under Inductor's defaults, no beamfx fusion pass
   (Beam IR lowered back to torch code, so Inductor fuses norms, residual adds and routing
   itself); experts as in eager (an opaque op), router GEMM on cuBLAS fp32.
-- **beamfx**: `beamfx.compile(passes="all")`: attention gate, router GEMM (Triton: whole rows
-  per program at 1-16 tokens, split-K to 1024, cuBLAS above) with routing, MegaMoE (Triton,
-  bf16 or NVFP4 W4A16, finalize folded into FC2), two fused boundaries per layer (Triton),
-  the rest as compile; the boundary, few-token router and routing kernels launch with
-  programmatic dependent launch.
+- **beamfx**: `beamfx.compile(passes="all")`: attention gate (Triton), router GEMM (Triton:
+  whole rows per program at 1-8 tokens, split-K to 255; from 256 tokens one cuBLAS bf16 GEMM
+  on the fp32 weight's three exact bf16 pieces, K in chunks) with routing (Triton), MegaMoE
+  (Triton, bf16 or NVFP4 W4A16; NVFP4 in fp32 FMAs up to 256 (token, expert) pairs, 512 for
+  narrow experts; the finalize folded into FC2 at decode sizes, FC2 writing k rows and a
+  finalize kernel at sorted-block sizes), two fused boundaries per layer (Triton), the rest
+  as compile; the boundary, few-token router and routing kernels launch with programmatic
+  dependent launch.
 - **beamfx, finalize in boundary** (`--finalize-in-boundary`): the passes in the order
   attn_gate, router_gemm, boundary, mega_moe: the experts write their k rows each and the
   second boundary kernel finalizes them.
