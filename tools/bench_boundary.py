@@ -32,7 +32,7 @@ from beamfx.kernels.measure import copy_bandwidth, count_launches, time_per_call
 HIDDEN, TOP_K = 5120, 8
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 MOE_TOKENS = (1, 64, 1024, 4096)
-SWEEP_TOKENS = (1, 64, 1024, 4096, 16384)
+SWEEP_TOKENS = (1, 64, 1024, 16384)
 ROTATION_BYTES = 256 << 20
 
 
@@ -78,15 +78,13 @@ def variants(compiled) -> dict:
 
 def sweep_boundary(tokens: int, sets, bw: float, topk: int) -> list[dict]:
     """Launch shapes of the Triton kernel: warps x programs (persistent grid above SMs) x
-    rows loaded ahead (0-2) x row tiles (4096 + 1024, or one padded 8192 tile)."""
+    row tiles (4096 + 1024, or one padded 8192 tile)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    shapes = [(tokens, 0)]
-    grid = [(w, s, pdl) for w in (4, 8, 16, 32) for s in (True, False) for pdl in (False, True)]
+    shapes = [(tokens, False)]
     if tokens >= 256:
-        progs = [p for p in (sms, 2 * sms, 3 * sms, 4 * sms) if p < tokens]
-        shapes = [(p, f) for p in progs for f in (1, 2)] + [(tokens, 0)]
-        grid = [(w, True, True) for w in (8, 16, 32)]
+        shapes = [(p, f) for p in (sms, 2 * sms, 4 * sms, tokens) for f in (True, False)]
     out = []
+    grid = [(w, s, pdl) for w in (4, 8, 16, 32) for s in (True, False) for pdl in (False, True)]
     for warps, split, pdl in grid:
         for progs, prefetch in shapes:
 

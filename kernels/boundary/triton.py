@@ -179,39 +179,22 @@ if triton is not None:
             # flight while the kernel that writes x and r finishes; wait for it only now.
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        if TOPK == 0 and PREFETCH > 0:
-            # Software pipelining by hand: the next PREFETCH rows' loads fly while this row
-            # computes (rows past the end load nothing: width 0).
+        if TOPK == 0 and PREFETCH:
+            # Software pipelining by hand: the next row's loads fly while this row computes.
             first = tl.cast(pid, tl.int64) * hidden  # the grid has at most n_rows programs
             xa_next, xb_next = _load_row(x_ptr, first, cols_a, cols_b, hidden, HAS_B, "evict_first")
             ra_next, rb_next = _load_row(r_ptr, first, cols_a, cols_b, hidden, HAS_B, "evict_first")
-            xa_far, xb_far, ra_far, rb_far = xa_next, xb_next, ra_next, rb_next
-            if PREFETCH > 1:
-                second = first + step * hidden
-                width = tl.where(pid + step < n_rows, hidden, 0)
-                policy: tl.constexpr = "evict_first"
-                xa_far, xb_far = _load_row(x_ptr, second, cols_a, cols_b, width, HAS_B, policy)
-                ra_far, rb_far = _load_row(r_ptr, second, cols_a, cols_b, width, HAS_B, policy)
             for row in tl.range(pid, n_rows, step):
                 base = tl.cast(row, tl.int64) * hidden
                 xa, xb, ra, rb = xa_next, xb_next, ra_next, rb_next
-                ahead = base + PREFETCH * step * hidden
-                width = tl.where(row + PREFETCH * step < n_rows, hidden, 0)
-                if PREFETCH > 1:
-                    xa_next, xb_next, ra_next, rb_next = xa_far, xb_far, ra_far, rb_far
-                    xa_far, xb_far = _load_row(
-                        x_ptr, ahead, cols_a, cols_b, width, HAS_B, "evict_first"
-                    )
-                    ra_far, rb_far = _load_row(
-                        r_ptr, ahead, cols_a, cols_b, width, HAS_B, "evict_first"
-                    )
-                else:
-                    xa_next, xb_next = _load_row(
-                        x_ptr, ahead, cols_a, cols_b, width, HAS_B, "evict_first"
-                    )
-                    ra_next, rb_next = _load_row(
-                        r_ptr, ahead, cols_a, cols_b, width, HAS_B, "evict_first"
-                    )
+                ahead = base + step * hidden
+                width = tl.where(row + step < n_rows, hidden, 0)
+                xa_next, xb_next = _load_row(
+                    x_ptr, ahead, cols_a, cols_b, width, HAS_B, "evict_first"
+                )
+                ra_next, rb_next = _load_row(
+                    r_ptr, ahead, cols_a, cols_b, width, HAS_B, "evict_first"
+                )
                 _finish_row(
                     xa.to(tl.float32), xb.to(tl.float32), ra, rb, base, h_ptr, y_ptr, cols_a,
                     cols_b, hidden, wpa, wpb, wna, wnb, inv_hidden, eps_post, eps_next, x_scale,
@@ -343,7 +326,7 @@ def boundary_into(
     *,
     num_warps: int | None = None,
     programs: int | None = None,
-    prefetch: bool | int | None = None,
+    prefetch: bool | None = None,
     split: bool | None = None,
     pdl: bool | None = None,
 ) -> None:
@@ -392,7 +375,7 @@ def boundary_into(
         OUT_DTYPE=_TL_DTYPES[residual.dtype],
         BLOCK_A=block_a,
         BLOCK_B=block_b,
-        PREFETCH=int(programs < n_rows if prefetch is None else prefetch),
+        PREFETCH=programs < n_rows if prefetch is None else prefetch,
         PDL=pdl,
         num_warps=num_warps,
         **({"launch_pdl": True} if pdl else {}),

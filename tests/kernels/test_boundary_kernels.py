@@ -167,28 +167,15 @@ needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INT
     dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
     scales=st.tuples(st.floats(0.05, 1.0), st.floats(0.05, 1.0)),
     programs=st.sampled_from([None, 1, 2]),
-    prefetch=st.sampled_from([None, 0, 1, 2]),
     split=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_interpreted_kernel_matches_reference(
-    tokens, hidden, topk, dtype, scales, programs, prefetch, split, seed
+    tokens, hidden, topk, dtype, scales, programs, split, seed
 ):
     args = make_inputs(tokens, hidden, topk, dtype, "cpu", seed, scales=scales)
-    h, y = run_into(args, programs=programs, prefetch=prefetch, split=split)
+    h, y = run_into(args, programs=programs, split=split)
     check_against_reference(args, h, y)
-
-
-@needs_interpreter
-@pytest.mark.parametrize("prefetch", [1, 2])
-@pytest.mark.parametrize("programs", [1, 2, 4])
-def test_interpreted_rows_loaded_ahead(prefetch, programs):
-    # Each program walks rows with the next `prefetch` rows' x and r in flight: every row
-    # must meet its own x and r, whatever the rows left over at the end.
-    args = make_inputs(11, 320, 0, torch.bfloat16, "cpu", seed=prefetch * 10 + programs)
-    for split in (True, False):
-        h, y = run_into(args, programs=programs, prefetch=prefetch, split=split)
-        check_against_reference(args, h, y)
 
 
 @pytest.mark.parametrize(
@@ -272,14 +259,12 @@ def test_gpu_other_dtypes(dtype):
 
 @gpu
 @pytest.mark.parametrize("programs", [1, 7, None])
-@pytest.mark.parametrize("prefetch", [None, 2])
-def test_gpu_persistent_grid(programs, prefetch):
-    # More rows than programs: each program walks several rows, loading the next one or
-    # two ahead.
+def test_gpu_persistent_grid(programs):
+    # More rows than programs: each program walks several rows.
     args = make_inputs(4099, 5120, 0, torch.bfloat16, "cuda", seed=11)
-    h, y = run_into(args, programs=programs, prefetch=prefetch)
+    h, y = run_into(args, programs=programs)
     check_against_reference(args, h, y)
-    h, y = run_into(args, programs=programs, prefetch=prefetch, split=False)
+    h, y = run_into(args, programs=programs, split=False)
     check_against_reference(args, h, y)
 
 
