@@ -2,7 +2,8 @@
 the low-latency `router_gemm`; with the grouped top-k routing that follows, `routed_topk`.
 
 The fused op picks its kernel by token count at run time (no recompiles): small batches
-take the router kernel, large ones cuBLAS.
+take the Triton router kernels, large ones one cuBLAS bf16 GEMM on the fp32 weight's exact
+bf16 pieces (kernels/router/triton.py).
 """
 
 import torch
