@@ -58,14 +58,14 @@ def bf16_weight_fp32_out(x, w_bf16):
 
 
 def logits_error(out: torch.Tensor, x, w) -> float:
-    ref = x.double() @ w.double().T
-    return ((out.double() - ref).norm() / ref.norm()).item()
+    return logits_errors(out, x, w)[0]
 
 
-def elements_off(out: torch.Tensor, x, w, tol=1e-5) -> int:
-    """Logits farther than tol + tol x |exact| from the fp64 product."""
+def logits_errors(out: torch.Tensor, x, w, tol=1e-5) -> tuple[float, int]:
+    """(relative error in norm, logits farther than tol + tol x |exact|), against fp64."""
     ref = x.double() @ w.double().T
-    return int(((out.double() - ref).abs() > tol + tol * ref.abs()).sum())
+    err = (out.double() - ref).abs()
+    return (err.norm() / ref.norm()).item(), int((err > tol + tol * ref.abs()).sum())
 
 
 def routing(x, w, bias, fused, config=None):
@@ -426,7 +426,7 @@ def main() -> None:
                     sets,
                 ),
             }
-        if rt._MM_OUT_DTYPE:
+        if rt._BMM_OUT_DTYPE:
             variants |= {
                 "cuBLAS on bf16 pieces": (
                     lambda x, w, p=pieces: rt.router_gemm(x, w, config=p),
@@ -461,8 +461,9 @@ def main() -> None:
                     (out[1].sort(1).values != ref_ids.sort(1).values).any(1).sum()
                 )
             else:
-                row["logits_rel_err"] = float(f"{logits_error(out, *fn_sets[0]):.2e}")
-                row["elements_off_1e-5"] = elements_off(out, *fn_sets[0])
+                rel, off = logits_errors(out, *fn_sets[0])
+                row["logits_rel_err"] = float(f"{rel:.2e}")
+                row["elements_off_1e-5"] = off
             us = time_per_call(fn, fn_sets)
             row.update(us=round(us, 2), pct_floor=round(100 * floor_us / us, 1))
             row["launches"] = count_launches(fn, fn_sets[0])
@@ -497,9 +498,9 @@ def main() -> None:
         copy_bandwidth_end_GBps=round(bw_end / 1e9, 1),
         floor_us=round(floor_us, 3),
         triton_max_tokens=rt.TRITON_MAX_TOKENS,
-        pieces_min_tokens=rt.PIECES_MIN_TOKENS if rt._MM_OUT_DTYPE else None,
+        pieces_min_tokens=rt.PIECES_MIN_TOKENS if rt._BMM_OUT_DTYPE else None,
         pieces_config=repr(rt.PIECES_CONFIG),
-        mm_out_dtype=rt._MM_OUT_DTYPE,
+        bmm_out_dtype=rt._BMM_OUT_DTYPE,
         route_sorted=rt.ROUTE_SORTED,
         split_configs=[(t, repr(c)) for t, c in rt.SPLIT_CONFIGS],
         split_min_tokens=rt.SPLIT_MIN_TOKENS,
@@ -527,12 +528,8 @@ def main() -> None:
 def provider_bound(meta: dict) -> str:
     if meta.get("pieces_min_tokens"):
         return (f"{meta['pieces_min_tokens'] - 1} tokens, cuBLAS on the weight's three bf16 "
-                "pieces (fp32 output) from there")  # fmt: skip
+                f"pieces (fp32 output) from there ({meta['pieces_config']})")  # fmt: skip
     return f"{meta['triton_max_tokens']} tokens, cuBLAS fp32 above"
-
-
-def pieces_note(meta: dict) -> str:
-    return f" ({meta['pieces_config']})" if meta.get("pieces_config") else ""
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
@@ -544,7 +541,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"{meta['device']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['date']}. "
         f"Copy bandwidth measured: {meta['copy_bandwidth_GBps']} GB/s; weight-read floor "
         f"{meta['floor_us']} us. {meta['timing']}. Routing: {meta['routing']}. The provider: "
-        f"Triton kernels up to {provider_bound(meta)}{pieces_note(meta)}. Cells: us (% of "
+        f"Triton kernels up to {provider_bound(meta)}. Cells: us (% of "
         "floor) [launches]; "
         f"empty where a path does not run at that count.",
         "",

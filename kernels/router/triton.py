@@ -14,7 +14,7 @@ are exact and the fp32 accumulation gives fp32-GEMM accuracy; every sum is in on
 order (bitwise repeatable). From `PIECES_MIN_TOKENS` tokens, cuBLAS on the same three
 pieces: one bf16 GEMM with fp32 output against [w1; w2; w3], whose thirds the reader adds in
 order (fp32-GEMM accuracy at bf16 tensor-core speed, x never widened to fp32). Where torch's
-mm has no fp32 output for bf16 inputs, cuBLAS in fp32 (`F.linear(x.float(), w)`) above
+bmm has no fp32 output for bf16 inputs, cuBLAS in fp32 (`F.linear(x.float(), w)`) above
 `TRITON_MAX_TOKENS`. Every choice is made per call, so no shape recompiles.
 `BEAMFX_PDL=0` turns programmatic dependent launch off.
 """
@@ -48,10 +48,10 @@ _PDL = (
 )
 # Token counts up to this run the Triton GEMM; above, cuBLAS (measured crossover on an
 # H200, bench/NOTES.md). From PIECES_MIN_TOKENS, cuBLAS on the weight's bf16 pieces
-# (PiecesConfig) where torch's mm has an fp32 output for bf16 inputs.
+# (PiecesConfig) where torch's bmm has an fp32 output for bf16 inputs.
 TRITON_MAX_TOKENS = 1024
 PIECES_MIN_TOKENS = 256
-_MM_OUT_DTYPE = hasattr(torch.ops.aten.bmm, "dtype")
+_BMM_OUT_DTYPE = hasattr(torch.ops.aten.bmm, "dtype")
 # Below this, cuBLAS as well (none: the whole-row kernel beats cuBLAS's 7.7-8.6 us GEMV at
 # 1 token on an H200, bench/results/router.md).
 TRITON_MIN_TOKENS = 1
@@ -711,6 +711,12 @@ def _gemm_config(n_tokens: int) -> GemmConfig | GemvConfig | SplitConfig:
     split = next((c for bound, c in SPLIT_CONFIGS if n_tokens <= bound), None)
     if split is not None and n_tokens >= SPLIT_MIN_TOKENS:
         return split
+    return _one_launch_config(n_tokens)
+
+
+def _one_launch_config(n_tokens: int) -> GemmConfig | GemvConfig:
+    """The tiling of the one-launch kernels (whole rows, or split-K with the fixup), which
+    `_launch_gemm` runs and fused routing needs."""
     if n_tokens <= GEMV_MAX_TOKENS:
         return next(c for bound, c in GEMV_CONFIGS if n_tokens <= bound)
     return next(c for bound, c in GEMM_CONFIGS if n_tokens <= bound)
@@ -718,7 +724,7 @@ def _gemm_config(n_tokens: int) -> GemmConfig | GemvConfig | SplitConfig:
 
 def _default_config(n_tokens: int) -> GemmConfig | GemvConfig | SplitConfig | PiecesConfig | None:
     """The provider's choice at this token count; None: plain cuBLAS (the reference)."""
-    if n_tokens >= PIECES_MIN_TOKENS and _MM_OUT_DTYPE:
+    if n_tokens >= PIECES_MIN_TOKENS and _BMM_OUT_DTYPE:
         return PIECES_CONFIG
     if TRITON_MIN_TOKENS <= n_tokens <= TRITON_MAX_TOKENS:
         return _gemm_config(n_tokens)
@@ -763,9 +769,7 @@ def _launch_gemm(
 ) -> None:
     n_tokens, hidden = x2d.shape
     n_experts = weight.shape[0]
-    config = config or _gemm_config(n_tokens)
-    if isinstance(config, SplitConfig):  # no fixup there: this launch's split-K tiling
-        config = next(c for bound, c in GEMM_CONFIGS if n_tokens <= bound)
+    config = config or _one_launch_config(n_tokens)
     if isinstance(config, GemvConfig):
         _launch_gemv(x2d, weight, logits, route, config)
         return
@@ -958,14 +962,10 @@ def _launch_gemv(x2d, weight, logits, route, config: GemvConfig) -> None:
     )
 
 
-def _launch_route(
-    logits, bias, weights, ids, top_k, n_group, topk_group, renormalize, splits: int = 1
-) -> None:
-    """Route `logits` [tokens, experts], or the sum of `splits` partials: [splits, tokens,
-    experts] or [tokens, splits x experts]."""
+def _launch_route(logits, bias, weights, ids, top_k, n_group, topk_group, renormalize) -> None:
+    """Route `logits` [tokens, experts], or the sum of the partials of `_split_layout`."""
     n_tokens, n_experts = ids.shape[0], bias.shape[0]
-    n_splits, row_stride, split_stride, pieces = _split_layout(logits, n_experts)
-    assert n_splits == splits, (n_splits, splits)
+    splits, row_stride, split_stride, pieces = _split_layout(logits, n_experts)
     pdl = ROUTE_PDL and _PDL and logits.device.type == "cuda"
     _route_kernel[(triton.cdiv(n_tokens, ROUTE_ROWS),)](
         logits,
@@ -1011,13 +1011,11 @@ def router_gemm(
         return reference.router_logits(x, weight)
     logits = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32, device=x.device)
     x2d = x.reshape(n_tokens, hidden).contiguous()
-    if isinstance(config, PiecesConfig):
-        part, n_splits = _launch_pieces(x2d, weight.contiguous(), config)
-        if n_splits == 1:
+    if isinstance(config, (SplitConfig, PiecesConfig)):
+        launch = _launch_split if isinstance(config, SplitConfig) else _launch_pieces
+        part, n_splits = launch(x2d, weight.contiguous(), config)
+        if n_splits == 1:  # one piece (a bf16 weight), one chunk: the logits themselves
             return part.view(logits.shape)
-        _sum_splits(part, logits.view(n_tokens, -1))
-    elif isinstance(config, SplitConfig):
-        part, _ = _launch_split(x2d, weight.contiguous(), config)
         _sum_splits(part, logits.view(n_tokens, -1))
     else:
         _launch_gemm(x2d, weight.contiguous(), logits, None, config)
@@ -1056,8 +1054,8 @@ def routed_topk(
         # The routing kernel adds the K splits (or the weight's pieces): the logits never
         # exist whole.
         launch = _launch_split if isinstance(config, SplitConfig) else _launch_pieces
-        part, splits = launch(x2d.contiguous(), weight.contiguous(), config)
-        _launch_route(part, bias, weights, ids, top_k, n_group, topk_group, renormalize, splits)
+        part, _ = launch(x2d.contiguous(), weight.contiguous(), config)
+        _launch_route(part, bias, weights, ids, top_k, n_group, topk_group, renormalize)
     elif fused and config is not None:
         logits = torch.empty((n_tokens, n_experts), dtype=torch.float32, device=x.device)
         route = (bias, weights, ids, top_k, n_group, topk_group, renormalize)

@@ -459,7 +459,7 @@ def test_gpu_split_tilings(config, hidden, experts, tokens, sorted_keys):
 @pytest.mark.parametrize("k_chunks", [1, 4])
 def test_gpu_pieces_gemm(weight_dtype, hidden, experts, tokens, k_chunks):
     # cuBLAS on the weight's bf16 pieces (fp32 output), forced at every token count.
-    assert rt._MM_OUT_DTYPE, "torch.bmm has no out_dtype here: the pieces path is off"
+    assert rt._BMM_OUT_DTYPE, "torch.bmm has no out_dtype here: the pieces path is off"
     x, w, bias = make_router(tokens, hidden, experts, weight_dtype, "cuda", seed=tokens + hidden)
     config = rt.PiecesConfig(k_chunks=k_chunks)
     first = rt.router_gemm(x, w, config=config)
