@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch._inductor import pattern_matcher as pm
@@ -325,15 +325,14 @@ class FusionPass:
         return matcher.apply(graph)  # it removes what the rewrites left dead
 
     def _matcher_for(self, graph: torch.fx.Graph) -> pm.PatternMatcherPass | None:
-        """The matcher over the variants that can match in `graph`: those whose every op
-        occurs there. Inductor's matcher offers each node of an anchor op to every
-        pattern rooted there, so variants that cannot match still cost a scan; the
-        filtered matchers are kept per set of variants."""
+        """The matcher over the variants that can match in `graph`: those whose every op,
+        and every edge between two of them, occurs there. Inductor's matcher offers each
+        node of an anchor op to every pattern rooted there (type-checking the node first),
+        so variants that cannot match still cost a scan; the filtered matchers are kept
+        per set of variants."""
         full = self.matcher()
-        present = {n.target for n in graph.nodes if n.op.startswith("call_")}
-        live = tuple(
-            i for i, (v, ops_) in enumerate(self._variant_ops) if all(o & present for o in ops_)
-        )
+        index = _GraphIndex(graph)
+        live = tuple(i for i, (v, ops_) in enumerate(self._variant_ops) if index.can_match(ops_))
         if not live:
             return None
         if len(live) == len(self._variant_ops):
@@ -734,9 +733,10 @@ def _size(p: pm.PatternExpr) -> int:
     return count(p)
 
 
-def _op_sets(p: pm.PatternExpr) -> list[frozenset]:
-    """The target sets (`fns`) of every op a pattern matches, deduplicated."""
-    out, seen, stack = set(), set(), [p]
+def _op_sets(p: pm.PatternExpr) -> tuple[list[_Ops], list[tuple[_Ops, _Ops]]]:
+    """The ops a pattern matches (node kind and target set, `fns`), and every producer ->
+    consumer edge between two of them (an arg of one op is the other's output)."""
+    ops, edges, seen, stack = set(), set(), set(), [p]
     while stack:
         q = stack.pop()
         if id(q) in seen:
@@ -746,13 +746,52 @@ def _op_sets(p: pm.PatternExpr) -> list[frozenset]:
             stack.extend(o for o in q.outputs if o is not None)
             continue
         if isinstance(q, pm._TargetExpr):
-            out.add(frozenset(q.fns))
+            ops.add(_Ops(q.op, frozenset(q.fns)))
         for a in [*getattr(q, "args", ()), *getattr(q, "kwargs", {}).values()]:
-            if isinstance(a, pm.PatternExpr):
-                stack.append(a)
-            elif isinstance(a, (list, tuple)):
-                stack.extend(x for x in a if isinstance(x, pm.PatternExpr))
-    return list(out)
+            for x in a if isinstance(a, (list, tuple)) else (a,):
+                if isinstance(x, pm.PatternExpr):
+                    stack.append(x)
+                    if isinstance(q, pm._TargetExpr) and isinstance(x, pm._TargetExpr):
+                        edges.add((_Ops(x.op, frozenset(x.fns)), _Ops(q.op, frozenset(q.fns))))
+    return list(ops), list(edges)
+
+
+class _Ops(NamedTuple):
+    op: str  # call_function, call_method, ...
+    fns: frozenset
+
+
+class _GraphIndex:
+    """Which ops and producer -> consumer edges a graph holds, answered from the graph's
+    own (op, target) node index: a necessary condition for a match, far cheaper than
+    offering a pattern every node of its root op (Inductor type-checks each first)."""
+
+    def __init__(self, graph: torch.fx.Graph):
+        self.graph = graph
+        self.memo: dict[Any, bool] = {}
+
+    def _nodes(self, ops: _Ops):
+        for fn in ops.fns:
+            yield from self.graph.find_nodes(op=ops.op, target=fn, sort=False)
+
+    def has(self, ops: _Ops) -> bool:
+        if ops not in self.memo:
+            self.memo[ops] = next(self._nodes(ops), None) is not None
+        return self.memo[ops]
+
+    def has_edge(self, src: _Ops, dst: _Ops) -> bool:
+        key = (src, dst)
+        if key not in self.memo:
+            self.memo[key] = any(
+                i.op == src.op and i.target in src.fns
+                for n in self._nodes(dst)
+                for i in n.all_input_nodes
+            )
+        return self.memo[key]
+
+    def can_match(self, ops_edges) -> bool:
+        ops, edges = ops_edges
+        return all(map(self.has, ops)) and all(self.has_edge(a, b) for a, b in edges)
 
 
 def _root_pattern(p: pm.PatternExpr) -> pm.PatternExpr:

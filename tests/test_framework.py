@@ -94,14 +94,19 @@ def test_explain_says_where_the_pattern_diverged():
     assert "multiple_users" in why.reason or "users" in why.reason
 
 
-def test_a_pass_offers_nodes_only_to_variants_whose_ops_all_occur():
-    """Variants with an op absent from the graph cannot match: they are not scanned."""
+def test_a_pass_offers_nodes_only_to_variants_whose_ops_and_edges_all_occur():
+    """Variants with an op, or an edge between two ops, absent from the graph cannot
+    match: they are not scanned."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     x = torch.randn(4, 8)
     no_relu = make_fx(lambda x: torch.sigmoid(x) * 2.0)(x).graph
     assert scaled_relu._matcher_for(no_relu) is None
     assert scaled_relu.apply(no_relu) == 0
+    # Both ops, but the relu does not feed the multiply: the edge is missing.
+    apart = make_fx(lambda x: (torch.relu(x), torch.sigmoid(x) * 2.0))(x).graph
+    assert scaled_relu._matcher_for(apart) is None
+    assert scaled_relu.apply(apart) == 0
     with_relu = make_fx(lambda x: torch.relu(x) * 2.0)(x).graph
     assert scaled_relu._matcher_for(with_relu) is scaled_relu.matcher()
     assert scaled_relu.apply(with_relu) == 1

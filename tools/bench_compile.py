@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import gc
 import json
 import os
 import platform
+import statistics
 import time
 import timeit
 
@@ -81,6 +83,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, nargs="+", default=[8, 80])
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--repeat", type=int, default=5, help="runs of the per-layer graphs")
     args = ap.parse_args()
 
     # The passes are Python: a fixed pure-Python loop, timed here, places this machine's
@@ -97,15 +100,22 @@ def main() -> None:
     one = trace(1, args.tokens, mlp_layer_types=["sparse"])
     from beamfx.pattern import INLINER
 
-    def per_layer_graphs(layers: int, passes="all") -> float:
+    def per_layer_graphs(layers: int, passes="all") -> dict:
         """Seconds for `layers` one-layer graphs in a row, from a cold replacement cache
-        (kept across them, as in one compile): nothing extrapolated."""
-        INLINER.clear()
-        graphs = [copy.deepcopy(one).graph for _ in range(layers)]
-        start = time.perf_counter()
-        for graph in graphs:
-            PassManager(passes)(graph)
-        return time.perf_counter() - start
+        (kept across them, as in one compile): nothing extrapolated. Repeated: on this
+        2-core machine one run moves by 15-30% (Python's cyclic GC among the causes), so
+        the median of `--repeat` runs is reported, with the range."""
+        runs = []
+        for _ in range(args.repeat):
+            INLINER.clear()
+            graphs = [copy.deepcopy(one).graph for _ in range(layers)]
+            gc.collect()
+            start = time.perf_counter()
+            for graph in graphs:
+                PassManager(passes)(graph)
+            runs.append(time.perf_counter() - start)
+        return {"median_s": round(statistics.median(runs), 3),
+                "min_s": round(min(runs), 3), "max_s": round(max(runs), 3)}  # fmt: skip
 
     rows = []
     for layers in args.layers:
@@ -119,8 +129,8 @@ def main() -> None:
             "layers": layers, "graph_nodes": nodes, "trace_s": round(trace_s, 2),
             "pipeline_no_fusion_s": none["total_s"], "pipeline_all_s": full["total_s"],
             "fusion_passes_s": round(full["total_s"] - none["total_s"], 4),
-            "per_layer_graphs_all_s": round(per_layer_graphs(layers), 3),
-            "per_layer_graphs_no_fusion_s": round(per_layer_graphs(layers, ()), 3),
+            "per_layer_graphs_all": per_layer_graphs(layers),
+            "per_layer_graphs_no_fusion": per_layer_graphs(layers, ()),
             "per_stage_s": full["per_stage_s"], "matches": full["matches"],
         })  # fmt: skip
 
@@ -148,15 +158,17 @@ def main() -> None:
         f"Machine speed: `sum(range(10**6))` takes {meta['python_ref_ms']} ms here.",
         "",
         "| layers | graph nodes | canonicalize+lower only, one graph (s) | all passes, one "
-        "graph (s) | canonicalize+lower only, one graph per layer (s) | all passes, one graph "
-        "per layer (s) | matches |",
+        "graph (s) | canonicalize+lower only, one graph per layer (s, median of "
+        f"{args.repeat} (range)) | all passes, one graph per layer (s, median (range)) | "
+        "matches |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         m = ", ".join(f"{k} {v}" for k, v in r["matches"].items())
+        span = lambda d: f"{d['median_s']} ({d['min_s']}-{d['max_s']})"  # noqa: E731
         lines.append(f"| {r['layers']} | {r['graph_nodes']} | {r['pipeline_no_fusion_s']} | "
-                     f"{r['pipeline_all_s']} | {r['per_layer_graphs_no_fusion_s']} | "
-                     f"{r['per_layer_graphs_all_s']} | {m} |")  # fmt: skip
+                     f"{r['pipeline_all_s']} | {span(r['per_layer_graphs_no_fusion'])} | "
+                     f"{span(r['per_layer_graphs_all'])} | {m} |")  # fmt: skip
     lines += [
         "",
         "The pipeline includes canonicalize and lowering the leftover Beam IR ops, which a",
