@@ -365,13 +365,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _gloo_rank(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
+def _group_rank(
+    rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple
+) -> None:
     import torch.distributed as dist
 
-    # The ranks share the machine's cores; oversubscribed threads slow gloo down badly.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    else:
+        # The ranks share the machine's cores; oversubscribed threads slow gloo down badly.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
     try:
         fn(rank, *args)
@@ -379,14 +384,25 @@ def _gloo_rank(rank: int, world_size: int, port: int, fn: Callable, args: tuple)
         dist.destroy_process_group()
 
 
-def spawn_gloo(world_size: int, fn: Callable, *args) -> None:
-    """Run `fn(rank, *args)` in `world_size` processes joined by a gloo process group.
+def spawn_group(world_size: int, fn: Callable, *args, backend: str = "gloo") -> None:
+    """Run `fn(rank, *args)` in `world_size` processes joined by a process group: gloo on
+    the CPU, or nccl with rank r on GPU r.
 
     `fn` must be a module-level function (it is pickled into the spawned processes).
     """
     import torch.multiprocessing as mp
 
-    mp.spawn(_gloo_rank, args=(world_size, free_port(), fn, args), nprocs=world_size)
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise RuntimeError(
+            f"spawn_group: nccl across {world_size} ranks needs {world_size} GPUs, "
+            f"this machine has {torch.cuda.device_count()}; use backend='gloo' on the CPU"
+        )
+    mp.spawn(_group_rank, args=(world_size, free_port(), backend, fn, args), nprocs=world_size)
+
+
+def spawn_gloo(world_size: int, fn: Callable, *args) -> None:
+    """`spawn_group` over gloo (the CPU)."""
+    spawn_group(world_size, fn, *args, backend="gloo")
 
 
 # --- beamfx demo --------------------------------------------------------------------------
