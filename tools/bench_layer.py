@@ -307,7 +307,8 @@ ROWS_RUN = """\
   on the fp32 weight's three exact bf16 pieces, K in chunks) with routing (Triton), MegaMoE
   (Triton, bf16 or NVFP4 W4A16; NVFP4 in fp32 FMAs up to 256 (token, expert) pairs, 512 for
   narrow experts; the finalize folded into FC2 at decode sizes, FC2 writing k rows and a
-  finalize kernel at sorted-block sizes), two fused boundaries per layer (Triton), the rest
+  finalize kernel at sorted-block sizes; bf16 in 128-row blocks with wide tiles once the
+  experts average 128 rows), two fused boundaries per layer (Triton), the rest
   as compile; the boundary, few-token router and routing kernels launch with programmatic
   dependent launch.
 - **beamfx, finalize in boundary** (`--finalize-in-boundary`): the passes in the order

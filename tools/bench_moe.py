@@ -131,17 +131,23 @@ def sweep_configs(pairs: int, inter: int, fp4: bool) -> list[tk.Config]:
         cands = [base, replace(base, bn1=16), replace(base, bn1=64), replace(base, bn2=128)]
         cands += [replace(base, warps1=8, warps2=8), replace(base, stages1=4, stages2=4)]
         cands += [replace(base, bk1=128, bk2=min(128, base.bk2))]
+        if fp4:  # the two NVFP4 decodes (kernels/moe/triton.py, Config.decode)
+            cands += [replace(base, decode=d) for d in (0, 1)]
     else:
+        # Sorted blocks: taller row blocks share each weight tile (and, NVFP4, its decode)
+        # among more rows; shorter ones pad less when experts get few rows each.
+        bn1_wide = 128 if inter % 128 == 0 else base.bn1
         cands = [
             base,
             replace(base, bm=128, warps1=8, warps2=8),
-            replace(base, bm=128, bn1=128 if inter % 128 == 0 else 64, warps1=8, warps2=8),
-            replace(base, bk1=128, stages1=4),
-            replace(base, warps1=8),
+            replace(base, bm=128, bn1=bn1_wide, warps1=8, warps2=8),
+            replace(base, bm=128, bn1=bn1_wide, bn2=256, warps1=8, warps2=8),
+            replace(base, bm=128, warps1=8, warps2=8, stages1=4, stages2=4),
+            replace(base, bn1=bn1_wide, warps1=8),
+            replace(base, stages1=4, stages2=4),
+            replace(base, bm=32, warps2=4),
+            replace(base, bm=16, bn2=64, warps2=4),
         ]
-    if fp4:  # the two NVFP4 decodes (kernels/moe/triton.py, Config.decode)
-        cands = [replace(base, decode=d) for d in (0, 1)]
-        cands += [replace(base, decode=1, stages1=4, stages2=4)]
     out = []
     for c in cands:
         if c not in out:
@@ -252,7 +258,7 @@ def bench_shape(shape, inter, token_counts, gen, bw, mm, sweep, sweeps, fma_swee
                 sweeps.append(dict(shape=shape, tokens=tokens, fp4=True, config=cfg.__dict__,
                                    us=us, err=err))  # fmt: skip
                 print(f"  fma sweep {cfg}: {us:.1f} us err {err:.1e}", flush=True)
-        if sweep and tokens in (1, 64, 4096):
+        if sweep and tokens in (1, 64, 512, 4096):
             for fp4, name in ((True, "nvfp4"), (False, "bf16"))[: 1 if sweep == "nvfp4" else 2]:
                 best = float("inf")
                 for cfg in sweep_configs(tokens * TOP_K, inter, fp4):
@@ -287,6 +293,7 @@ def main() -> None:
     ap.add_argument("--sweep-nvfp4-only", action="store_true", help="sweep the NVFP4 kernel only")
     ap.add_argument("--tokens", type=int, nargs="*", help="token counts (default: all)")
     ap.add_argument("--fma-sweep", action="store_true", help="sweep the NVFP4 FMA kernel tiles")
+    ap.add_argument("--shapes", nargs="*", choices=list(SHAPES), help="shapes (default: all)")
     args = ap.parse_args()
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -294,6 +301,8 @@ def main() -> None:
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
     rows, sweeps = [], []
     for shape, inter in SHAPES.items():
+        if args.shapes and shape not in args.shapes:
+            continue
         if not (args.quick and shape == "TP1"):
             tokens = args.tokens or (TOKENS if not args.quick else (1, 64, 4096))
             sweep = "nvfp4" if args.sweep_nvfp4_only else args.sweep

@@ -99,16 +99,27 @@ def fma_config(inter: int) -> Config:
     )
 
 
-def pick_config(pairs: int, hidden: int, inter: int, fp4: bool) -> Config:
+# bf16 sorted blocks of 128 rows with wide tiles (FC1 128 x 128, FC2 128 x 256, 8 warps)
+# once the experts average this many rows and are at least this wide. Measured on an H200
+# (bench/results/moe_sorted_sweep.json), Beam-1.0 TP1 shapes: 5203 against 6366 us at 128
+# rows an expert (4096 tokens), 3502 against 3154 at 16 (512 tokens); at TP8's 192-wide
+# experts 956 against 983 (not taken). The NVFP4 kernels lost with 128-row blocks (7720
+# against 7032 us at 4096 tokens; 128 x 256 FC2 tiles failed to compile).
+WIDE_TILE_ROWS = 128
+WIDE_TILE_MIN_INTER = 1024
+
+
+def pick_config(pairs: int, hidden: int, inter: int, fp4: bool, experts: int = 0) -> Config:
     """Tiles by regime: decode-sized (scan, 16-row tiles, long K steps) or sorted blocks."""
     narrow = inter < FMA_NARROW_INTER
     if fp4 and pairs <= (FMA_MAX_PAIRS_NARROW if narrow else FMA_MAX_PAIRS):
         return fma_config(inter)
-    return mma_config(pairs, hidden, inter, fp4)
+    return mma_config(pairs, hidden, inter, fp4, experts)
 
 
-def mma_config(pairs: int, hidden: int, inter: int, fp4: bool) -> Config:
-    """The tensor-core kernels' tiles (`pick_config` without the NVFP4 FMA path)."""
+def mma_config(pairs: int, hidden: int, inter: int, fp4: bool, experts: int = 0) -> Config:
+    """The tensor-core kernels' tiles (`pick_config` without the NVFP4 FMA path);
+    `experts` (0: unknown) picks the wide bf16 tiles when their rows fill 128-row blocks."""
     if pairs <= SCAN_MAX_PAIRS:
         bk = 256 if fp4 else 128
         return Config(
@@ -118,6 +129,23 @@ def mma_config(pairs: int, hidden: int, inter: int, fp4: bool) -> Config:
             bk1=_pow2_divisor(hidden, bk),
             bn2=_pow2_divisor(hidden, 64),
             bk2=_pow2_divisor(inter, bk),
+        )
+    if (
+        not fp4
+        and experts > 0
+        and pairs >= WIDE_TILE_ROWS * experts
+        and inter >= WIDE_TILE_MIN_INTER
+    ):
+        return Config(
+            scan=False,
+            bm=128,
+            bn1=_pow2_divisor(inter, 128),
+            bk1=_pow2_divisor(hidden, 64),
+            bn2=_pow2_divisor(hidden, 256),
+            bk2=_pow2_divisor(inter, 64),
+            warps1=8,
+            warps2=8,
+            combine_rows=True,
         )
     return Config(
         scan=False,
@@ -929,7 +957,7 @@ def moe(
     dev = x.device
     if n_pairs == 0:
         return x.new_zeros(t, hidden) if combine else x.new_zeros(t, k, hidden)
-    cfg = config or pick_config(n_pairs, hidden, inter, fp4)
+    cfg = config or pick_config(n_pairs, hidden, inter, fp4, num_experts)
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     if cfg.fma and fp4:
         return _moe_fma(x, ids, t, k, w13, w2, scales, topk_weights, routed_scale, cfg)

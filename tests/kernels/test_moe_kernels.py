@@ -104,6 +104,8 @@ _INTERPRETER_CASES = [
     # the combine as k bf16 rows and a finalize launch, no fp32 atomics (sorted blocks)
     (40, 64, 32, 4, 4, True, True, False, "rows"),
     (33, 128, 64, 16, 3, False, True, False, "rows"),
+    # bf16 sorted blocks with the wide tiles (>= 128 rows an expert, 1024 wide)
+    (520, 256, 1024, 2, 2, False, True, False, "wide"),
     # the tiles `pick_config` chooses (FMA at these sizes): no config given
     (2, 128, 64, 8, 4, True, True, True, "default"),
     (1, 64, 1024, 4, 1, True, False, True, "default"),
@@ -117,6 +119,9 @@ def _interpreter_main() -> None:
             cfg = tk.Config(scan, 16, 32, 64, 32, 64, fma=True)
         elif decode == "rows":
             cfg = tk.Config(scan, 16, base.bn1, base.bk1, base.bn2, base.bk2, combine_rows=True)
+        elif decode == "wide":
+            cfg = tk.mma_config(t * k, h, inter, fp4, e)
+            assert (cfg.bm, cfg.bn1, cfg.bn2) == (128, 128, 256), cfg
         elif decode == "default":
             assert tk.pick_config(t * k, h, inter, fp4).fma, "meant to cover the FMA defaults"
             cfg = None
@@ -256,14 +261,15 @@ gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def config_for(pairs, hidden, inter, fp4, decode):
+def config_for(pairs, hidden, inter, fp4, decode, experts=0):
     if decode == "fma":
         return tk.fma_config(inter)
+    base = tk.mma_config(pairs, hidden, inter, fp4, experts)
     if decode == "rows":
-        return replace(tk.mma_config(pairs, hidden, inter, fp4), combine_rows=True)
+        return replace(base, combine_rows=True)
     if decode == "atomics":
-        return replace(tk.mma_config(pairs, hidden, inter, fp4), combine_rows=False)
-    return replace(tk.mma_config(pairs, hidden, inter, fp4), decode=decode)
+        return replace(base, combine_rows=False)
+    return replace(base, decode=decode)
 
 
 @gpu
@@ -289,10 +295,11 @@ def config_for(pairs, hidden, inter, fp4, decode):
         (64, 1024, 192, 64, 8),
         (300, 512, 256, 32, 4),  # sorted blocks (> 1024 pairs)
         (1000, 256, 64, 8, 2),  # sorted blocks, hot experts
+        (1100, 512, 1024, 8, 2),  # bf16: the wide tiles (>= 128 rows an expert)
     ],
 )
 def test_kernels_match_reference_gpu(tokens, hidden, inter, experts, top_k, fp4, decode):
-    cfg = config_for(tokens * top_k, hidden, inter, fp4, decode)
+    cfg = config_for(tokens * top_k, hidden, inter, fp4, decode, experts)
     for combine in (True, False):
         check_case(tokens, hidden, inter, experts, top_k, fp4, combine, "cuda", tokens, cfg)
 
