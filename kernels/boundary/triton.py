@@ -10,18 +10,13 @@ all-reduce replaces exactly that step.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from beamfx.kernels.boundary import reference
+from beamfx.kernels.triton_common import INTERPRET as _INTERPRET
+from beamfx.kernels.triton_common import PDL as _PDL
+from beamfx.kernels.triton_common import tl, triton
 from beamfx.ops import Provider
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # no Triton on this platform: the reference serves
-    triton = None
 
 # Widest row the kernel holds in registers (one program per row).
 MAX_HIDDEN = 16384
@@ -38,35 +33,10 @@ PDL = True
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TL_DTYPES = {}
 
-_PDL = (
-    os.environ.get("BEAMFX_PDL", "1") != "0"
-    and triton is not None
-    and os.environ.get("TRITON_INTERPRET") != "1"
-    and hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait")
-    and torch.cuda.is_available()
-    and torch.cuda.get_device_capability()[0] >= 9
-)
-
 if triton is not None:
     _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        # The interpreter truncates fp32 -> bf16; round to nearest even by hand there, so
-        # CPU runs of this kernel keep the contract's roundings bit for bit.
-        @triton.jit
-        def _round(v, OUT_DTYPE: tl.constexpr):
-            if tl.bfloat16 == OUT_DTYPE:
-                bits = v.to(tl.uint32, bitcast=True)
-                bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-                return bits.to(tl.float32, bitcast=True)
-            else:
-                return v.to(OUT_DTYPE).to(tl.float32)
-    else:
-
-        @triton.jit
-        def _round(v, OUT_DTYPE: tl.constexpr):
-            """fp32 `v` rounded to nearest even in OUT_DTYPE, kept in fp32."""
-            return v.to(OUT_DTYPE).to(tl.float32)
+    from beamfx.kernels.triton_common import round_to as _round
 
     @triton.jit
     def _load_row(ptr, base, cols_a, cols_b, hidden, HAS_B: tl.constexpr, POLICY: tl.constexpr):
@@ -493,9 +463,7 @@ def supports_fused_boundary_residual(
     return _check(x, residual, w_post, None, group_name, topk_weights)
 
 
-_AVAILABLE = (
-    triton is not None and os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available()
-)
+_AVAILABLE = triton is not None and not _INTERPRET and torch.cuda.is_available()
 FUSED_BOUNDARY = Provider("triton", fused_boundary, supports_fused_boundary) if _AVAILABLE else None
 FUSED_BOUNDARY_RESIDUAL = (
     Provider("triton", fused_boundary_residual, supports_fused_boundary_residual)

@@ -22,21 +22,15 @@ rounding before the final bf16 rounding, not bit for bit.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from beamfx.kernels.triton_common import INTERPRET as _INTERPRET
+from beamfx.kernels.triton_common import tl, triton
 from beamfx.ops import Provider
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # no Triton on this platform: the reference serves
-    triton = None
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Pairs (tokens x top-k) up to which programs find their rows by scanning the ids.
 SCAN_MAX_PAIRS = 1024
 
@@ -130,24 +124,7 @@ def mma_config(pairs: int, hidden: int, inter: int, fp4: bool, experts: int = 0)
             bn2=_pow2_divisor(hidden, 64),
             bk2=_pow2_divisor(inter, bk),
         )
-    if (
-        not fp4
-        and experts > 0
-        and pairs >= WIDE_TILE_ROWS * experts
-        and inter >= WIDE_TILE_MIN_INTER
-    ):
-        return Config(
-            scan=False,
-            bm=128,
-            bn1=_pow2_divisor(inter, 128),
-            bk1=_pow2_divisor(hidden, 64),
-            bn2=_pow2_divisor(hidden, 256),
-            bk2=_pow2_divisor(inter, 64),
-            warps1=8,
-            warps2=8,
-            combine_rows=True,
-        )
-    return Config(
+    sorted_blocks = Config(
         scan=False,
         bm=64,
         bn1=_pow2_divisor(inter, 64),
@@ -159,33 +136,21 @@ def mma_config(pairs: int, hidden: int, inter: int, fp4: bool, experts: int = 0)
         decode=1,
         combine_rows=True,
     )
+    wide = not fp4 and experts > 0 and inter >= WIDE_TILE_MIN_INTER
+    if wide and pairs >= WIDE_TILE_ROWS * experts:
+        return replace(
+            sorted_blocks,
+            bm=128,
+            bn1=_pow2_divisor(inter, 128),
+            bn2=_pow2_divisor(hidden, 256),
+            warps1=8,
+        )
+    return sorted_blocks
 
 
 if triton is not None:
-    if _INTERPRET:
-        # The interpreter truncates fp32 -> bf16 and multiplies bf16 tiles as raw bits:
-        # round by hand and widen dot operands (their products are exact in fp32 either way).
-        @triton.jit
-        def _round_bf16(v):
-            bits = v.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            return bits.to(tl.float32, bitcast=True)
-
-        @triton.jit
-        def _dot(a, b, acc):
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-
-    else:
-
-        @triton.jit
-        def _round_bf16(v):
-            """fp32 `v` rounded to nearest even bf16, kept in fp32."""
-            return v.to(tl.bfloat16).to(tl.float32)
-
-        @triton.jit
-        def _dot(a, b, acc):
-            """acc + a @ b: bf16 tensor-core products accumulated in fp32."""
-            return tl.dot(a, b, acc)
+    from beamfx.kernels.triton_common import dot_bf16 as _dot
+    from beamfx.kernels.triton_common import round_bf16 as _round_bf16
 
     @triton.jit
     def _e4m3_to_f32(s8):

@@ -7,26 +7,20 @@ narrowing ones and the fp32 arithmetic between them, ~10 launches a layer.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from beamfx.kernels.triton_common import INTERPRET as _INTERPRET
+from beamfx.kernels.triton_common import PDL as _PDL
+from beamfx.kernels.triton_common import tl, triton
 from beamfx.ops import Provider
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # no Triton on this platform: the reference serves
-    triton = None
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _DTYPES = (torch.bfloat16, torch.float16)
 # Rows (token, head) per program: 8 x 128 values at Beam's head_dim.
 ELEMENTS_PER_PROGRAM = 1024
 
 if triton is not None:
-    from beamfx.kernels.boundary.triton import _PDL, _round
-    from beamfx.kernels.router.triton import _exp
+    from beamfx.kernels.triton_common import exp as _exp
+    from beamfx.kernels.triton_common import round_to as _round
 
     @triton.jit(do_not_specialize=["n_rows"])
     def _attn_gate_kernel(

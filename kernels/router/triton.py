@@ -21,31 +21,16 @@ bmm has no fp32 output for bf16 inputs, cuBLAS in fp32 (`F.linear(x.float(), w)`
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from beamfx.kernels.router import reference
+from beamfx.kernels.triton_common import INTERPRET as _INTERPRET
+from beamfx.kernels.triton_common import PDL as _PDL
+from beamfx.kernels.triton_common import tl, triton
 from beamfx.ops import Provider
 
-try:
-    import triton
-    import triton.language as tl
-    from triton.language.extra import libdevice
-except ImportError:  # no Triton on this platform: the reference serves
-    triton = None
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# Programmatic dependent launch: Hopper and later, with a Triton that exposes it.
-_PDL = (
-    os.environ.get("BEAMFX_PDL", "1") != "0"
-    and triton is not None
-    and not _INTERPRET
-    and hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait")
-    and torch.cuda.is_available()
-    and torch.cuda.get_device_capability()[0] >= 9
-)
 # Token counts up to this run the Triton GEMM; above, cuBLAS (measured crossover on an
 # H200, bench/NOTES.md). From PIECES_MIN_TOKENS, cuBLAS on the weight's bf16 pieces
 # (PiecesConfig) where torch's bmm has an fp32 output for bf16 inputs.
@@ -62,28 +47,8 @@ _MAX_TILES = 2048
 _FIX_ELEMENTS = 4096
 
 if triton is not None:
-    if _INTERPRET:
-        # The interpreter lacks libdevice (numpy's exp serves) and multiplies bf16 tiles as
-        # their raw bits: widen them first (the products are exact in fp32 either way).
-
-        @triton.jit
-        def _exp(v):
-            return tl.exp(v)
-
-        @triton.jit
-        def _dot_bf16(a, b, acc):
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-
-        @triton.jit
-        def _exp(v):
-            """fp32 exp as CUDA's expf (torch.sigmoid uses it), not the fast ex2 form."""
-            return libdevice.exp(v)
-
-        @triton.jit
-        def _dot_bf16(a, b, acc):
-            """acc + a @ b: bf16 tensor-core products, exact, accumulated in fp32."""
-            return tl.dot(a, b, acc)
+    from beamfx.kernels.triton_common import dot_bf16 as _dot_bf16
+    from beamfx.kernels.triton_common import exp as _exp
 
     @triton.jit
     def _bf16_pieces(w):
