@@ -456,7 +456,81 @@ class Inliner:
                 self._cache.clear()
             self._cache[key] = (mode, gm)
         with _substituted(gm, sentinels) as replacement:
-            match.replace_with_graph(replacement, args)
+            _splice(match, replacement, args)
+
+
+# Metadata a new output node takes from the node it replaces (as Inductor's replacement).
+_COPY_META = (*getattr(torch.fx.proxy, "_COPY_META_FIELDS", ()), "stack_trace")
+# And a copied node from the traced replacement node: the same, its fake value, and the
+# eager input values Inductor reads for custom ops' strides.
+_TRACED_META = (*_COPY_META, "val", "tensor_meta", "eager_input_vals")
+
+
+def _splice(match: pm.Match, gm: torch.fx.GraphModule, args: list[Any]) -> None:
+    """Put the traced replacement `gm` in place of `match`, as Inductor's
+    `Match.replace_with_graph` does, without its per-node interpreter and its scan of the
+    whole graph for the first output of a multi-output match (nodes compare by position):
+    the replacement's nodes are copied with their traced metadata before the match's
+    first output, the outputs' users moved to the copies, the matched nodes erased.
+    Replacements beyond plain calls, and activation-checkpoint tags, go to Inductor's."""
+    outputs = match.output_nodes()
+    old = [o for o in outputs if o is not None]
+    if any(n.op not in ("placeholder", "call_function", "output") for n in gm.graph.nodes) or any(
+        "recompute" in o.meta or "ac_graph_id" in o.meta for o in old
+    ):
+        match.replace_with_graph(gm, args)
+        return
+    graph = match.graph
+    env: dict[torch.fx.Node, Any] = {}
+    supplied = iter(args)
+    added: dict[torch.fx.Node, None] = {}
+    result: Any = None
+    with graph.inserting_before(min(old)):
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                env[n] = next(supplied)
+            elif n.op == "call_function":
+                new_args, new_kwargs = torch.fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+                new = graph.call_function(n.target, new_args, new_kwargs)
+                new.meta.update((k, v) for k, v in n.meta.items() if k in _TRACED_META)
+                env[n] = added[new] = new
+            else:
+                result = torch.fx.node.map_arg(n.args[0], env.__getitem__)
+
+    def outside(user: torch.fx.Node) -> bool:
+        return user not in added
+
+    def replace(o: torch.fx.Node | None, new: Any) -> None:
+        if o is None:
+            return
+        if isinstance(new, (list, tuple)):
+            # One node of a multi-output op, replaced by several: its getitem users take
+            # the matching one.
+            for user in list(o.users):
+                if user.target is operator.getitem and len(user.args) == 2:
+                    replace(user, new[user.args[1]])
+                else:
+                    user.replace_input_with(o, new)
+        else:
+            if isinstance(new, torch.fx.Node):
+                new.meta.update((k, v) for k, v in o.meta.items() if k in _COPY_META)
+                for key in ("val", "tensor_meta"):
+                    if key not in new.meta and key in o.meta:
+                        new.meta[key] = o.meta[key]
+            o.replace_all_uses_with(new, delete_user_cb=outside)
+        if not o.users:
+            graph.erase_node(o)
+
+    values = list(result) if isinstance(result, (list, tuple)) else [result]
+    if len(outputs) == len(values):
+        for o, new in zip(outputs, values):
+            replace(o, new)
+    else:
+        replace(outputs[0], values)
+    match.erase_nodes()
+    for n in reversed(added):
+        if not n.users and not n.is_impure():
+            graph.erase_node(n)
 
 
 def _meta_key(val: Any) -> Any:
