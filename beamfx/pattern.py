@@ -485,7 +485,7 @@ def _splice(match: pm.Match, gm: torch.fx.GraphModule, args: list[Any]) -> None:
     supplied = iter(args)
     added: dict[torch.fx.Node, None] = {}
     result: Any = None
-    with graph.inserting_before(min(old)):
+    with graph.inserting_before(_first(graph, old)):
         for n in gm.graph.nodes:
             if n.op == "placeholder":
                 env[n] = next(supplied)
@@ -531,6 +531,16 @@ def _splice(match: pm.Match, gm: torch.fx.GraphModule, args: list[Any]) -> None:
     for n in reversed(added):
         if not n.users and not n.is_impure():
             graph.erase_node(n)
+
+
+def _first(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> torch.fx.Node:
+    """The earliest of `nodes` in `graph`: fx nodes compare by position (their sort key);
+    a torch whose nodes do not is answered by a walk of the graph."""
+    try:
+        return min(nodes)
+    except TypeError:
+        wanted = set(nodes)
+        return next(n for n in graph.nodes if n in wanted)
 
 
 def _meta_key(val: Any) -> Any:
