@@ -109,3 +109,20 @@ def test_fires_twice_per_layer_on_the_tiny_model(tiny_checkpoint, tiny_prompt, f
     eager_err = (res.expected.double() - exact).abs().max().item()
     fused_err = (res.output.double() - exact).abs().max().item()
     assert fused_err <= 1.5 * eager_err + 1e-3, (fused_err, eager_err)
+
+
+def test_the_rewrite_leaves_none_of_the_ops_it_fused():
+    """Both outputs of the match (the residual and the normed rows) move to the fused op:
+    with lowering off, no Beam IR op it replaced is left computing either."""
+    from beamfx.testing import compile_with
+
+    x, r, w = bst.randn(4, 32, seed=1), bst.randn(4, 32, seed=2), bst.randn(32, seed=3)
+
+    def fn(x, r):
+        return sandwich(x, r, w, w, 1e-6, (0.5, 0.75))
+
+    torch.compiler.reset()
+    compiled, manager = compile_with(fn, ["boundary"], lower=False)
+    for got, want in zip(compiled(x, r), fn(x, r)):
+        assert torch.equal(got, want)
+    assert manager.reports[0].ops_after == {"beamfx.fused_boundary": 1}
