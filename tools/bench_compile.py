@@ -105,9 +105,9 @@ def main() -> None:
 
     def per_layer_graphs(layers: int, passes="all") -> dict:
         """Seconds for `layers` one-layer graphs in a row, from a cold replacement cache
-        (kept across them, as in one compile): nothing extrapolated. Repeated: on this
-        2-core machine one run moves by 15-30% (Python's cyclic GC among the causes), so
-        the median of `--repeat` runs is reported, with the range."""
+        (kept across them, as in one compile): nothing extrapolated. Repeated: this shared
+        2-core machine's speed moves from run to run (the reference taken before each is
+        recorded), so the median of `--repeat` runs is reported, with the range."""
         runs, refs = [], []
         for _ in range(args.repeat):
             INLINER.clear()
@@ -169,9 +169,12 @@ def main() -> None:
         "matches |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
+
+    def span(d: dict) -> str:
+        return f"{d['median_s']} ({d['min_s']}-{d['max_s']})"
+
     for r in rows:
         m = ", ".join(f"{k} {v}" for k, v in r["matches"].items())
-        span = lambda d: f"{d['median_s']} ({d['min_s']}-{d['max_s']})"  # noqa: E731
         lines.append(f"| {r['layers']} | {r['graph_nodes']} | {r['pipeline_no_fusion_s']} | "
                      f"{r['pipeline_all_s']} | {span(r['per_layer_graphs_no_fusion'])} | "
                      f"{span(r['per_layer_graphs_all'])} | {m} |")  # fmt: skip
