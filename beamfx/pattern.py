@@ -322,7 +322,7 @@ class FusionPass:
         matcher = self._matcher_for(graph)
         if matcher is None:
             return 0
-        return matcher.apply(graph)  # it removes what the rewrites left dead
+        return run_matcher(matcher, graph)  # the rewrites remove what they leave dead
 
     def _matcher_for(self, graph: torch.fx.Graph) -> pm.PatternMatcherPass | None:
         """The matcher over the variants that can match in `graph`: those whose every op,
@@ -394,6 +394,63 @@ class FusionPass:
         return h.hexdigest()
 
 
+def run_matcher(matcher: pm.PatternMatcherPass, graph: torch.fx.Graph) -> int:
+    """`matcher.apply(graph)` (Inductor's `PatternMatcherPass.apply`), with each candidate
+    node matched before Inductor's backend type check instead of after it.
+
+    Inductor type-checks every node of a pattern's root op (its inputs' and outputs' fake
+    tensors: complex, sparse, fp8 support) before trying a pattern there; a pattern
+    rooted at a common op (a `mul`) pays that on every `mul` of the graph, about a fifth
+    of beamfx's pass time. Here the check runs on matched nodes only, so the same
+    rewrites happen: the same candidates in the same order, the same mutation-region and
+    stream guards, the same `extra_check`. Mutation regions are recomputed where a rewrite
+    erased or spliced in a mutating op (beamfx's replacements are functional: never, so
+    far). Call-module patterns go to Inductor's own loop.
+    """
+    if not matcher.patterns:
+        return 0
+    if any(op == "call_module" for op, _ in matcher.patterns):
+        return matcher.apply(graph)
+    from torch._inductor.lowering import fallback_node_due_to_unsupported_type as unsupported_type
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+    from torch.fx.passes.graph_transform_observer import GraphTransformObserver
+
+    if pm.should_compute_mutation_region_ids(graph):
+        pm.compute_mutation_region_ids(graph)
+    nodes = [graph.find_nodes(op=op, target=t, sort=False) for op, t in matcher.patterns]
+    count = 0
+    observe = GraphTransformObserver(graph.owning_module, matcher.pass_name or "pattern_matcher")
+    with observe if graph.owning_module is not None else nullcontext():
+        for node in sorted(itertools.chain.from_iterable(nodes), reverse=True):
+            unsupported = None  # Inductor's type check, once, on the first match
+            for entry in matcher.patterns[(node.op, node.target)]:
+                if node._erased:
+                    break
+                m = entry.pattern.match(node)
+                if not pm.is_match(m):
+                    continue
+                if unsupported is None:
+                    unsupported = unsupported_type(node, allow_cpu_inputs=False)
+                if unsupported:
+                    break  # Inductor skips the node before any pattern
+                if len({pm.get_mutation_region_id(graph, n) for n in m.nodes}) != 1:
+                    continue  # the match crosses a mutation
+                if len({n.meta.get("custom", {}).get("stream", 0) for n in m.nodes}) != 1:
+                    continue  # or a stream boundary
+                if not guard_or_false(entry.extra_check(m)):
+                    continue
+                erases_mutation = any(pm.is_mutation_op(n) for n in m.nodes)
+                spliced = INLINER.mutating_splices
+                entry.apply(m, graph, node)
+                if erases_mutation or INLINER.mutating_splices != spliced:
+                    pm.compute_mutation_region_ids(graph)
+                count += 1
+                counters = pm.counters[getattr(pm, "backend", "inductor")]
+                counters["pattern_matcher_count"] += 1
+                counters["pattern_matcher_nodes"] += len(m.nodes)
+    return count
+
+
 # --- internals ---------------------------------------------------------------------------
 
 
@@ -412,6 +469,9 @@ class Inliner:
         # key -> (the fake mode it was traced in, graph); a graph's fake tensors belong to
         # its mode, so an entry serves only graphs of the same mode (vLLM's pieces share one).
         self._cache: dict[Any, tuple[Any, torch.fx.GraphModule]] = {}
+        # Replacements spliced in that hold a mutating op (`run_matcher` then recomputes
+        # the graph's mutation regions).
+        self.mutating_splices = 0
 
     def clear(self) -> None:
         self._cache.clear()
@@ -446,7 +506,8 @@ class Inliner:
                 values.append(("s", kind.__name__))
         mode = V.fake_mode
         if not isinstance(mode, torch._subclasses.FakeTensorMode):
-            mode = None  # outside Inductor (a graph traced by hand): the inputs' own mode
+            # Outside Inductor (a graph traced by hand): the inputs' own fake mode, if any.
+            mode = torch._guards.detect_fake_mode(traced)
         key = (fn, id(mode), tuple(values))
         owner, gm = self._cache.get(key, (None, None))
         if gm is None or owner is not mode:
@@ -455,6 +516,8 @@ class Inliner:
             if len(self._cache) >= self.MAX_ENTRIES:
                 self._cache.clear()
             self._cache[key] = (mode, gm)
+        if _mutates(gm):
+            self.mutating_splices += 1
         with _substituted(gm, sentinels) as replacement:
             _splice(match, replacement, args)
 
@@ -582,6 +645,13 @@ def _is_node(a: Any) -> bool:
 
 
 _SENTINEL_NODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MUTATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _mutates(gm: torch.fx.GraphModule) -> bool:
+    if gm not in _MUTATES:
+        _MUTATES[gm] = any(pm.is_mutation_op(n) for n in gm.graph.nodes if n.op == "call_function")
+    return _MUTATES[gm]
 
 
 def _sentinel_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

@@ -10,7 +10,7 @@ import torch
 from torch._inductor import pattern_matcher as pm
 
 from beamfx import ops
-from beamfx.pattern import INLINER
+from beamfx.pattern import INLINER, run_matcher
 
 
 class Lower:
@@ -39,7 +39,7 @@ class Lower:
             INLINER.replace(match, opdef.reference, [kwargs[n] for n in names], specs, names)
 
     def apply(self, graph: torch.fx.Graph) -> int:
-        return self.matcher().apply(graph)
+        return run_matcher(self.matcher(), graph)
 
     __call__ = apply
 

@@ -117,3 +117,67 @@ def test_a_pass_offers_nodes_only_to_variants_whose_ops_and_edges_all_occur():
     assert sub is not None and sub is not full
     count = lambda m: sum(len(v) for v in m.patterns.values())  # noqa: E731
     assert 0 < count(sub) < count(full)
+
+
+def _tiny_model_graph() -> torch.fx.GraphModule:
+    """The tiny model traced to aten with Inductor's decompositions (fake weights)."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from beamfx.config import preset
+    from beamfx.models.beam import BeamForCausalLM
+
+    model = BeamForCausalLM(preset("tiny"))
+    params = dict(model.named_parameters())
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    forward = lambda p, i: torch.func.functional_call(model, p, (i,))  # noqa: E731
+    return make_fx(forward, select_decomp_table(), tracing_mode="fake")(params, ids)
+
+
+def test_the_match_loop_rewrites_as_inductors_own_loop(monkeypatch):
+    """`run_matcher` type-checks candidates after matching them, not before: on the tiny
+    model's graph every pass makes the same rewrites as Inductor's `apply`, to the code."""
+    import copy
+
+    from beamfx import pattern
+    from beamfx.passes import lower
+
+    gm = _tiny_model_graph()
+    ours, inductors = copy.deepcopy(gm).graph, copy.deepcopy(gm).graph
+    mine = PassManager("all")
+    mine(ours)
+    with monkeypatch.context() as m:
+        for module in (pattern, lower):
+            m.setattr(module, "run_matcher", lambda matcher, g: matcher.apply(g))
+        theirs = PassManager("all")
+        theirs(inductors)
+    assert mine.summary()["matches"] == theirs.summary()["matches"]
+    assert mine.summary()["matches"]["boundary"] == 8  # it did rewrite
+    assert ours.python_code("self").src == inductors.python_code("self").src
+
+
+def test_the_match_loop_keeps_inductors_mutation_guard():
+    """A match that spans a mutating op is not rewritten; the same ops beside it are."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def across(out, g, bias, buf):
+        s = g + bias.view(1, -1, 1)
+        buf.add_(1.0)  # between the gate's add and its sigmoid
+        return out * torch.sigmoid(s)
+
+    def before(out, g, bias, buf):
+        buf.add_(1.0)
+        return out * torch.sigmoid(g + bias.view(1, -1, 1))
+
+    args = [bst.randn(*s, dtype=torch.bfloat16, seed=i)
+            for i, s in enumerate([(4, 2, 8), (4, 2, 8), (2,), (3,)])]  # fmt: skip
+
+    def graph(fn):
+        g = make_fx(fn, tracing_mode="fake")(*args).graph
+        for node in g.find_nodes(op="call_function", target=torch.ops.aten.view.default):
+            node.target = torch.ops.aten.reshape.default  # as Inductor's post-grad graphs
+        return g
+
+    gate = get_pass("attn_gate")
+    assert gate.apply(graph(before)) == 1
+    assert gate.apply(graph(across)) == 0
