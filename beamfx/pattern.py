@@ -423,9 +423,15 @@ def run_matcher(matcher: pm.PatternMatcherPass, graph: torch.fx.Graph) -> int:
     with observe if graph.owning_module is not None else nullcontext():
         for node in sorted(itertools.chain.from_iterable(nodes), reverse=True):
             unsupported = None  # Inductor's type check, once, on the first match
+            inputs = None
             for entry in matcher.patterns[(node.op, node.target)]:
                 if node._erased:
                     break
+                needs = _input_ops(entry.pattern)
+                if needs:
+                    inputs = inputs or {i.target for i in node.all_input_nodes}
+                    if not all(inputs & fns for fns in needs):
+                        continue  # an input op the pattern's root needs is missing
                 m = entry.pattern.match(node)
                 if not pm.is_match(m):
                     continue
@@ -452,6 +458,26 @@ def run_matcher(matcher: pm.PatternMatcherPass, graph: torch.fx.Graph) -> int:
 
 
 # --- internals ---------------------------------------------------------------------------
+
+
+_INPUT_OPS: dict[int, tuple[pm.PatternExpr, tuple[frozenset, ...]]] = {}
+
+
+def _input_ops(pattern: pm.PatternExpr) -> tuple[frozenset, ...]:
+    """The ops a candidate's direct inputs must include for `pattern` to match there: one
+    target set per call pattern among the root's arguments (a necessary condition, far
+    cheaper to test than Inductor's matcher, which flattens the node's arguments)."""
+    hit = _INPUT_OPS.get(id(pattern))
+    if hit is None or hit[0] is not pattern:
+        root = pattern.outputs[0] if isinstance(pattern, pm.MultiOutputPattern) else pattern
+        children = pm.pytree.tree_leaves((getattr(root, "args", ()), getattr(root, "kwargs", {})))
+        needs = tuple(
+            frozenset(c.fns)
+            for c in children
+            if isinstance(c, pm.CallFunction) and c.op == "call_function"
+        )
+        hit = _INPUT_OPS[id(pattern)] = (pattern, needs)
+    return hit[1]
 
 
 class Inliner:
