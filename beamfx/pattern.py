@@ -27,6 +27,7 @@ import hashlib
 import inspect
 import itertools
 import operator
+import os
 import typing
 import weakref
 from collections.abc import Callable, Sequence
@@ -394,6 +395,17 @@ class FusionPass:
         return h.hexdigest()
 
 
+# What `run_matcher` takes from Inductor's pattern matcher module.
+_MATCHER_HELPERS = (
+    "should_compute_mutation_region_ids",
+    "compute_mutation_region_ids",
+    "get_mutation_region_id",
+    "is_mutation_op",
+    "is_match",
+    "counters",
+)
+
+
 def run_matcher(matcher: pm.PatternMatcherPass, graph: torch.fx.Graph) -> int:
     """`matcher.apply(graph)` (Inductor's `PatternMatcherPass.apply`), with each candidate
     node matched before Inductor's backend type check instead of after it.
@@ -405,15 +417,28 @@ def run_matcher(matcher: pm.PatternMatcherPass, graph: torch.fx.Graph) -> int:
     rewrites happen: the same candidates in the same order, the same mutation-region and
     stream guards, the same `extra_check`. Mutation regions are recomputed where a rewrite
     erased or spliced in a mutating op (beamfx's replacements are functional: never, so
-    far). Call-module patterns go to Inductor's own loop.
+    far). Inductor's own loop runs instead for call-module patterns, under
+    `TORCHINDUCTOR_PATTERN_MATCH_DEBUG` (its per-pattern debug counters), and on a torch
+    whose matcher lacks a helper this loop uses.
     """
     if not matcher.patterns:
         return 0
-    if any(op == "call_module" for op, _ in matcher.patterns):
+    try:
+        from torch._inductor.lowering import (
+            fallback_node_due_to_unsupported_type as unsupported_type,
+        )
+        from torch.fx.experimental.symbolic_shapes import guard_or_false
+        from torch.fx.passes.graph_transform_observer import GraphTransformObserver
+
+        helpers = all(hasattr(pm, name) for name in _MATCHER_HELPERS)
+    except ImportError:
+        helpers = False
+    if (
+        not helpers
+        or any(op == "call_module" for op, _ in matcher.patterns)
+        or os.environ.get("TORCHINDUCTOR_PATTERN_MATCH_DEBUG")
+    ):
         return matcher.apply(graph)
-    from torch._inductor.lowering import fallback_node_due_to_unsupported_type as unsupported_type
-    from torch.fx.experimental.symbolic_shapes import guard_or_false
-    from torch.fx.passes.graph_transform_observer import GraphTransformObserver
 
     if pm.should_compute_mutation_region_ids(graph):
         pm.compute_mutation_region_ids(graph)

@@ -181,3 +181,29 @@ def test_the_match_loop_keeps_inductors_mutation_guard():
     gate = get_pass("attn_gate")
     assert gate.apply(graph(before)) == 1
     assert gate.apply(graph(across)) == 0
+
+
+def test_the_match_loop_falls_back_to_inductors_without_its_helpers(monkeypatch):
+    """On a torch whose matcher lacks a helper the loop uses, Inductor's loop runs."""
+    from torch._inductor import pattern_matcher as pm
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from beamfx import pattern
+
+    args = [bst.randn(*s, dtype=torch.bfloat16, seed=i)
+            for i, s in enumerate([(4, 2, 8), (4, 2, 8), (2,)])]  # fmt: skip
+    gm = make_fx(lambda o, g, b: o * torch.sigmoid(g + b.reshape(1, -1, 1)),
+                 tracing_mode="fake")(*args)  # fmt: skip
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
+        node.target = torch.ops.aten.reshape.default  # as Inductor's post-grad graphs
+    assert not hasattr(pm, "a_helper_of_another_torch")
+    monkeypatch.setattr(pattern, "_MATCHER_HELPERS", ("a_helper_of_another_torch",))
+    inductors_apply, calls = pm.PatternMatcherPass.apply, []
+
+    def apply(self, graph):
+        calls.append(graph)
+        return inductors_apply(self, graph)
+
+    monkeypatch.setattr(pm.PatternMatcherPass, "apply", apply)
+    assert get_pass("attn_gate").apply(gm.graph) == 1
+    assert len(calls) == 1  # through Inductor's loop
