@@ -10,7 +10,8 @@
         ...
 
 The engine is Inductor's pattern matcher (`fwd_only`, `fx_to_pattern`,
-`register_graph_pattern`, `PatternMatcherPass`, `replace_with_graph`); this module feeds it:
+`register_graph_pattern`, `PatternMatcherPass`, its loop run by `run_matcher` with cheaper
+checks first); this module feeds it:
 - tensor parameters are annotated with their example shape (`Act[T, H]` takes each
   activation dtype of the rule, `F32[...]`/`I32[...]` are fixed) and traced per dtype;
 - scalar parameters (`float`, `int`, `bool`, `str`) are wildcards: traced with a sentinel
