@@ -88,7 +88,12 @@ def test_explain_says_where_the_pattern_diverged():
         h = ir.scaled_residual_add(t, r, 0.5, 0.75)
         return h, ir.rms_norm(h, w, 1e-6), t
 
-    res = assert_fusion(leaky, (x, r), "boundary", matches=0)
+    # Unfused, the output is Inductor's own code: bitwise eager on torch 2.13. Torch 2.11's
+    # CPU code was off eager by up to 0.0078 (measured: an intermediate bf16 rounding of
+    # the norm's output dropped before the residual add; Inductor's, not beamfx's).
+    old_inductor = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
+    tolerance = (2**-6, 2**-7) if old_inductor else "bitwise"
+    res = assert_fusion(leaky, (x, r), "boundary", matches=0, tolerance=tolerance)
     (why,) = [e for r in res.manager.reports for e in r.explain]
     assert why.constraint is None and why.reason.startswith("pattern diverged")
     assert "multiple_users" in why.reason or "users" in why.reason
