@@ -91,8 +91,7 @@ def test_explain_says_where_the_pattern_diverged():
     # Unfused, the output is Inductor's own code: bitwise eager on torch 2.13. Torch 2.11's
     # CPU code was off eager by up to 0.0078 (measured: an intermediate bf16 rounding of
     # the norm's output dropped before the residual add; Inductor's, not beamfx's).
-    old_inductor = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
-    tolerance = (2**-6, 2**-7) if old_inductor else "bitwise"
+    tolerance = (2**-6, 2**-7) if torch.__version__ < "2.13" else "bitwise"
     res = assert_fusion(leaky, (x, r), "boundary", matches=0, tolerance=tolerance)
     (why,) = [e for r in res.manager.reports for e in r.explain]
     assert why.constraint is None and why.reason.startswith("pattern diverged")
@@ -161,9 +160,24 @@ def test_the_match_loop_rewrites_as_inductors_own_loop(monkeypatch):
     assert ours.python_code("self").src == inductors.python_code("self").src
 
 
+def _post_grad_graph(fn, args) -> torch.fx.Graph:
+    """`fn` traced to aten on fake tensors, views as reshapes (as Inductor's post-grad
+    graphs hold them)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph = make_fx(fn, tracing_mode="fake")(*args).graph
+    for node in graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
+        node.target = torch.ops.aten.reshape.default
+    return graph
+
+
+def _gate_args(*extra_shapes):
+    shapes = [(4, 2, 8), (4, 2, 8), (2,), *extra_shapes]
+    return [bst.randn(*s, dtype=torch.bfloat16, seed=i) for i, s in enumerate(shapes)]
+
+
 def test_the_match_loop_keeps_inductors_mutation_guard():
     """A match that spans a mutating op is not rewritten; the same ops beside it are."""
-    from torch.fx.experimental.proxy_tensor import make_fx
 
     def across(out, g, bias, buf):
         s = g + bias.view(1, -1, 1)
@@ -174,33 +188,20 @@ def test_the_match_loop_keeps_inductors_mutation_guard():
         buf.add_(1.0)
         return out * torch.sigmoid(g + bias.view(1, -1, 1))
 
-    args = [bst.randn(*s, dtype=torch.bfloat16, seed=i)
-            for i, s in enumerate([(4, 2, 8), (4, 2, 8), (2,), (3,)])]  # fmt: skip
-
-    def graph(fn):
-        g = make_fx(fn, tracing_mode="fake")(*args).graph
-        for node in g.find_nodes(op="call_function", target=torch.ops.aten.view.default):
-            node.target = torch.ops.aten.reshape.default  # as Inductor's post-grad graphs
-        return g
-
+    args = _gate_args((3,))
     gate = get_pass("attn_gate")
-    assert gate.apply(graph(before)) == 1
-    assert gate.apply(graph(across)) == 0
+    assert gate.apply(_post_grad_graph(before, args)) == 1
+    assert gate.apply(_post_grad_graph(across, args)) == 0
 
 
 def test_the_match_loop_falls_back_to_inductors_without_its_helpers(monkeypatch):
     """On a torch whose matcher lacks a helper the loop uses, Inductor's loop runs."""
     from torch._inductor import pattern_matcher as pm
-    from torch.fx.experimental.proxy_tensor import make_fx
 
     from beamfx import pattern
 
-    args = [bst.randn(*s, dtype=torch.bfloat16, seed=i)
-            for i, s in enumerate([(4, 2, 8), (4, 2, 8), (2,)])]  # fmt: skip
-    gm = make_fx(lambda o, g, b: o * torch.sigmoid(g + b.reshape(1, -1, 1)),
-                 tracing_mode="fake")(*args)  # fmt: skip
-    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
-        node.target = torch.ops.aten.reshape.default  # as Inductor's post-grad graphs
+    gate = lambda o, g, b: o * torch.sigmoid(g + b.reshape(1, -1, 1))  # noqa: E731
+    graph = _post_grad_graph(gate, _gate_args())
     assert not hasattr(pm, "a_helper_of_another_torch")
     monkeypatch.setattr(pattern, "_MATCHER_HELPERS", ("a_helper_of_another_torch",))
     inductors_apply, calls = pm.PatternMatcherPass.apply, []
@@ -210,5 +211,5 @@ def test_the_match_loop_falls_back_to_inductors_without_its_helpers(monkeypatch)
         return inductors_apply(self, graph)
 
     monkeypatch.setattr(pm.PatternMatcherPass, "apply", apply)
-    assert get_pass("attn_gate").apply(gm.graph) == 1
+    assert get_pass("attn_gate").apply(graph) == 1
     assert len(calls) == 1  # through Inductor's loop
