@@ -563,15 +563,17 @@ class Inliner:
         key = (fn, id(mode), tuple(values))
         owner, gm = self._cache.get(key, (None, None))
         if gm is None or owner is not mode:
-            with mode or nullcontext():
+            from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+            # Only the graph is read (copied in): lazy modules skip generating Python code.
+            with mode or nullcontext(), _use_lazy_graph_module(True):
                 gm = pm.fwd_only(fn, traced)
             if len(self._cache) >= self.MAX_ENTRIES:
                 self._cache.clear()
             self._cache[key] = (mode, gm)
         if _mutates(gm):
             self.mutating_splices += 1
-        with _substituted(gm, sentinels) as replacement:
-            _splice(match, replacement, args)
+        _splice(match, gm, args, sentinels)
 
 
 # Metadata a new output node takes from the node it replaces (as Inductor's replacement).
@@ -581,22 +583,34 @@ _COPY_META = (*getattr(torch.fx.proxy, "_COPY_META_FIELDS", ()), "stack_trace")
 _TRACED_META = (*_COPY_META, "val", "tensor_meta", "eager_input_vals")
 
 
-def _splice(match: pm.Match, gm: torch.fx.GraphModule, args: list[Any]) -> None:
-    """Put the traced replacement `gm` in place of `match`, as Inductor's
-    `Match.replace_with_graph` does, without its per-node interpreter and its scan of the
-    whole graph for the first output of a multi-output match (nodes compare by position):
-    the replacement's nodes are copied with their traced metadata before the match's
-    first output, the outputs' users moved to the copies, the matched nodes erased.
-    Replacements beyond plain calls, and activation-checkpoint tags, go to Inductor's."""
+def _splice(
+    match: pm.Match, gm: torch.fx.GraphModule, args: list[Any], sentinels: dict[Any, Any]
+) -> None:
+    """Put the traced replacement `gm` in place of `match`, its sentinel scalars replaced by
+    `sentinels`' values, as Inductor's `Match.replace_with_graph` does, without its
+    per-node interpreter and its scan of the whole graph for the first output of a
+    multi-output match (nodes compare by position): the replacement's nodes are copied
+    with their traced metadata (and the match's scalars) before the match's first output,
+    the outputs' users moved to the copies, the matched nodes erased. Replacements beyond
+    plain calls, and activation-checkpoint tags, go to Inductor's."""
     outputs = match.output_nodes()
     old = [o for o in outputs if o is not None]
     if any(n.op not in ("placeholder", "call_function", "output") for n in gm.graph.nodes) or any(
         "recompute" in o.meta or "ac_graph_id" in o.meta for o in old
     ):
-        match.replace_with_graph(gm, args)
+        with _substituted(gm, sentinels) as replacement:
+            match.replace_with_graph(replacement, args)
         return
     graph = match.graph
     env: dict[torch.fx.Node, Any] = {}
+
+    def value(a: Any) -> Any:  # an argument of a replacement node, in the graph
+        if isinstance(a, torch.fx.Node):
+            return env[a]
+        if isinstance(a, (float, str)) and not isinstance(a, bool):
+            return sentinels.get(a, a)
+        return a
+
     supplied = iter(args)
     added: dict[torch.fx.Node, None] = {}
     result: Any = None
@@ -605,12 +619,12 @@ def _splice(match: pm.Match, gm: torch.fx.GraphModule, args: list[Any]) -> None:
             if n.op == "placeholder":
                 env[n] = next(supplied)
             elif n.op == "call_function":
-                new_args, new_kwargs = torch.fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+                new_args, new_kwargs = torch.fx.node.map_aggregate((n.args, n.kwargs), value)
                 new = graph.call_function(n.target, new_args, new_kwargs)
                 new.meta.update((k, v) for k, v in n.meta.items() if k in _TRACED_META)
                 env[n] = added[new] = new
             else:
-                result = torch.fx.node.map_arg(n.args[0], env.__getitem__)
+                result = torch.fx.node.map_aggregate(n.args[0], value)
 
     def outside(user: torch.fx.Node) -> bool:
         return user not in added
@@ -669,8 +683,9 @@ def _meta_key(val: Any) -> Any:
 def _substituted(gm: torch.fx.GraphModule, sentinels: dict[Any, Any]):
     """`gm` with sentinel constants replaced by the match's values, for the block's length.
 
-    The replacement is interpreted node by node, so editing arguments in place (and
-    restoring them) avoids building and recompiling a graph module per match.
+    Inductor's `replace_with_graph` interprets the replacement node by node, so editing
+    arguments in place (and restoring them) avoids building and recompiling a graph
+    module per match.
     """
 
     def sub(a):
@@ -917,10 +932,23 @@ def _generalize(pattern: pm.PatternExpr, strings: dict[str, str], bools: set[str
         elif isinstance(p, pm._TargetArgsExpr):
             p.args = tuple(sub(a) for a in p.args)
             p.kwargs = {k: sub(v) for k, v in p.kwargs.items()}
-            p.flatten = p.pytree_flatten
+            p.flatten = _flatten
             p.flat_args_kwargs = p.flatten(p.args, p.kwargs)
 
     walk(pattern)
+
+
+def _flatten(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Sequence[Any], Any]:
+    """Inductor's `pytree_flatten` of a pattern's or a node's arguments, matched the same:
+    where none is a container, its flat items and a flat spec, which equals only another
+    flat spec of as many arguments and the same keys, as the pytree specs would (pytree's
+    walk was a third of the matching time, on nodes whose arguments are all plain)."""
+    if any(
+        isinstance(a, (tuple, list, dict)) or type(a) in pm.pytree.SUPPORTED_NODES
+        for a in itertools.chain(args, kwargs.values())
+    ):
+        return pm._TargetArgsExpr.pytree_flatten(args, kwargs)
+    return pm._TargetArgsExpr.simple_flatten(args, kwargs)
 
 
 def _size(p: pm.PatternExpr) -> int:

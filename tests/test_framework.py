@@ -123,6 +123,27 @@ def test_a_pass_offers_nodes_only_to_variants_whose_ops_and_edges_all_occur():
     assert 0 < count(sub) < count(full)
 
 
+_LEAVES = st.sampled_from([None, 1, 2.5, "g", True, torch.float32])
+_ARGS = st.one_of(_LEAVES, st.lists(_LEAVES, max_size=2), st.tuples(_LEAVES),
+                  st.dictionaries(st.sampled_from("ab"), _LEAVES, max_size=1))  # fmt: skip
+_KWARGS = st.dictionaries(st.sampled_from(["dim", "keepdim"]), _ARGS, max_size=2)
+
+
+@given(pattern=st.tuples(st.lists(_ARGS, max_size=3), _KWARGS),
+       node=st.tuples(st.lists(_ARGS, max_size=3), _KWARGS))  # fmt: skip
+def test_the_matchers_flatten_agrees_with_pytrees(pattern, node):
+    """A generalized pattern flattens arguments without pytree where none is a container:
+    the same items, and a pattern's spec equals a node's exactly when pytree's would."""
+    from torch._inductor import pattern_matcher as pm
+
+    from beamfx.pattern import _flatten
+
+    ours = [_flatten(tuple(a), k) for a, k in (pattern, node)]
+    theirs = [pm._TargetArgsExpr.pytree_flatten(tuple(a), k) for a, k in (pattern, node)]
+    assert [list(items) for items, _ in ours] == [list(items) for items, _ in theirs]
+    assert (ours[0][1] == ours[1][1]) == (theirs[0][1] == theirs[1][1])
+
+
 def _tiny_model_graph() -> torch.fx.GraphModule:
     """The tiny model traced to aten with Inductor's decompositions (fake weights)."""
     from torch._inductor.decomposition import select_decomp_table
