@@ -123,6 +123,24 @@ def test_a_pass_offers_nodes_only_to_variants_whose_ops_and_edges_all_occur():
     assert 0 < count(sub) < count(full)
 
 
+def test_verify_lints_the_graph():
+    """With verify the pipeline lints the graph it leaves (inside a compile, Inductor
+    lints it after its post-grad passes, this pipeline among them)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    class Misplace:  # a broken pass of one's own: moves a node after the output
+        name = "misplace"
+
+        def apply(self, graph):
+            output = graph.find_nodes(op="output")[0]
+            output.append(next(n for n in graph.nodes if n.op == "call_function"))
+            return 0
+
+    graph = make_fx(lambda x: torch.relu(x) * 2.0)(torch.randn(4, 8)).graph
+    with pytest.raises(RuntimeError, match="before it has been defined"):
+        PassManager([Misplace()], canonicalize=False, lower=False, verify=True)(graph)
+
+
 _LEAVES = st.sampled_from([None, 1, 2.5, "g", True, torch.float32])
 _ARGS = st.one_of(_LEAVES, st.lists(_LEAVES, max_size=2), st.tuples(_LEAVES),
                   st.dictionaries(st.sampled_from("ab"), _LEAVES, max_size=1))  # fmt: skip
