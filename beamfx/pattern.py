@@ -932,7 +932,10 @@ def _generalize(pattern: pm.PatternExpr, strings: dict[str, str], bools: set[str
         elif isinstance(p, pm._TargetArgsExpr):
             p.args = tuple(sub(a) for a in p.args)
             p.kwargs = {k: sub(v) for k, v in p.kwargs.items()}
-            p.flatten = _flatten
+            # Inductor's pytree form where a torch lacks its flat one (a private helper).
+            p.flatten = (
+                _flatten if hasattr(pm._TargetArgsExpr, "simple_flatten") else p.pytree_flatten
+            )
             p.flat_args_kwargs = p.flatten(p.args, p.kwargs)
 
     walk(pattern)

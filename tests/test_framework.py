@@ -162,6 +162,27 @@ def test_the_matchers_flatten_agrees_with_pytrees(pattern, node):
     assert (ours[0][1] == ours[1][1]) == (theirs[0][1] == theirs[1][1])
 
 
+@pytest.mark.parametrize("flat_helper", [True, False])
+def test_a_generalized_pattern_matches_with_or_without_the_flat_helper(monkeypatch, flat_helper):
+    """A string wildcard's pattern matches through `_flatten`, or through Inductor's pytree
+    form on a torch whose matcher lacks `simple_flatten`."""
+    from torch._inductor import pattern_matcher as pm
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from beamfx.pattern import _flatten, _generalize
+
+    sub = torch.ops.aten.sub.Tensor
+    pattern = pm.CallFunction(sub, pm.KeywordArg("x"), pm.KeywordArg("y"), alpha="sentinel")
+    if not flat_helper:
+        monkeypatch.delattr(pm._TargetArgsExpr, "simple_flatten")
+    _generalize(pattern, {"sentinel": "alpha"}, set())
+    assert pattern.flatten == (_flatten if flat_helper else pattern.pytree_flatten)
+    graph = make_fx(lambda a, b: torch.sub(a, b, alpha=2))(torch.ones(2), torch.ones(2)).graph
+    node = next(n for n in graph.nodes if n.target is sub)
+    match = pattern.match(node)
+    assert match and match.kwargs["alpha"] == 2, match
+
+
 def _tiny_model_graph() -> torch.fx.GraphModule:
     """The tiny model traced to aten with Inductor's decompositions (fake weights)."""
     from torch._inductor.decomposition import select_decomp_table
