@@ -605,11 +605,7 @@ def _splice(
     env: dict[torch.fx.Node, Any] = {}
 
     def value(a: Any) -> Any:  # an argument of a replacement node, in the graph
-        if isinstance(a, torch.fx.Node):
-            return env[a]
-        if isinstance(a, (float, str)) and not isinstance(a, bool):
-            return sentinels.get(a, a)
-        return a
+        return env[a] if isinstance(a, torch.fx.Node) else _unsentinel(a, sentinels)
 
     supplied = iter(args)
     added: dict[torch.fx.Node, None] = {}
@@ -689,9 +685,7 @@ def _substituted(gm: torch.fx.GraphModule, sentinels: dict[Any, Any]):
     """
 
     def sub(a):
-        if isinstance(a, (float, str)) and not isinstance(a, bool) and a in sentinels:
-            return sentinels[a]
-        return a
+        return _unsentinel(a, sentinels)
 
     saved = []
     for node in _sentinel_nodes(gm) if sentinels else ():
@@ -705,6 +699,12 @@ def _substituted(gm: torch.fx.GraphModule, sentinels: dict[Any, Any]):
     finally:
         for node, args, kwargs in saved:
             node.args, node.kwargs = args, kwargs
+
+
+def _unsentinel(a: Any, sentinels: dict[Any, Any]) -> Any:
+    """A replacement's argument with a sentinel scalar (a float or str) put back to the
+    match's value."""
+    return sentinels.get(a, a) if isinstance(a, (float, str)) else a
 
 
 def _is_node(a: Any) -> bool:
@@ -730,7 +730,7 @@ def _sentinel_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
             n
             for n in gm.graph.nodes
             if any(
-                isinstance(a, (float, str)) and not isinstance(a, bool)
+                isinstance(a, (float, str))
                 for a in pm.pytree.tree_leaves((n.args, n.kwargs), is_leaf=_is_node)
             )
         ]
