@@ -93,10 +93,14 @@ PROVIDERS: dict[str, list[str]] = {
         "beamfx.kernels.moe.triton:MOE_EXPERTS",
         "beamfx.kernels.moe.grouped:MOE_EXPERTS",
     ],
-    "moe_experts_nvfp4": ["beamfx.kernels.moe.triton:MOE_EXPERTS_NVFP4"],
+    "moe_experts_nvfp4": [
+        "beamfx.kernels.moe.cutedsl:MOE_EXPERTS_NVFP4",
+        "beamfx.kernels.moe.triton:MOE_EXPERTS_NVFP4",
+    ],
     "mega_moe": ["beamfx.kernels.moe.triton:MEGA_MOE", "beamfx.kernels.moe.grouped:MEGA_MOE"],
     "mega_moe_nvfp4": [
         "beamfx.kernels.moe.flashinfer:MEGA_MOE_NVFP4",
+        "beamfx.kernels.moe.cutedsl:MEGA_MOE_NVFP4",
         "beamfx.kernels.moe.triton:MEGA_MOE_NVFP4",
     ],
 }

@@ -1,0 +1,267 @@
+"""CuTeDSL NVFP4 (W4A16) MoE experts for Hopper at decode sizes: tensor-core MMAs on codes
+decoded in registers, weights repacked once into the fragment layout of
+`kernels/moe/fragments.py`.
+
+Per pair (below `GROUP_MIN_PAIRS`), two launches, as the Triton FMA path they replace:
+1. FC1 + SwiGLU: a CTA owns one (token, expert) pair and one 16-row tile (8 gate rows and
+   their 8 up rows); its warps split K. Each lane keeps `depth` 16-byte loads of codes in
+   flight (four 16 x 16 tiles each), decodes a tile's 8 codes into four bf16 pairs with 11
+   integer ops, multiplies them by the block scales (one bf16x2 multiply a pair, exact),
+   and issues `mma.sync.m16n8k16` against the token's activations (every one of the 8 MMA
+   columns holds the same token, so any lane holds the result). The warps' fp32 sums meet
+   in shared memory; gate and up get their global scales, round to bf16, and
+   `silu(g) * u` rounds once.
+2. FC2 + combine: a CTA owns one token and one 16-row tile of the hidden dimension; its
+   warps split the token's k experts. Each expert's row rounds to bf16 (the `moe_experts`
+   contract); with the combine, the rows' weighted sum is taken in fp32, in slot order,
+   times the routed scale, rounded once.
+
+In blocks (from `GROUP_MIN_PAIRS` on wide experts): torch ops sort the pairs into blocks
+of up to 8 of one expert (`triton.sort_blocks`), one MMA column a pair, so an expert's
+weights are read once for all its tokens; FC2 writes the pairs' bf16 rows and the Triton
+finalize kernel combines them.
+
+About 100 instructions a lane per 32 codes in FC1's loop (SASS for sm_90a): ~3 per code,
+against ~5.5 in the Triton FMA kernels. Programmatic dependent launch (FC2 loads its first
+weights before waiting for FC1) where FC2's whole K fits those loads.
+
+Needs `nvidia-cutlass-dsl` (the `gpu` extra) and compute capability 9.x (sm_90a PTX:
+`mul.rn.bf16x2`). Kernels are compiled once per static configuration (top-k, warps,
+depth, combine, PDL) and take every size as a runtime argument: token counts never
+recompile. `BEAMFX_CUTEDSL=0` turns the provider off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from beamfx.kernels.moe import fragments as frag
+from beamfx.ops import Provider
+
+MAX_PAIRS = 512  # tokens x top-k up to which this path serves (the MMA path wins above)
+# From this many pairs, pairs sharing an expert share its weight reads: torch ops sort them
+# into blocks of GROUP columns (`triton.sort_blocks`), FC2 writes rows, a finalize launch
+# combines them (bench/NOTES.md, MoE run 9).
+GROUP_MIN_PAIRS = 128
+GROUP_MIN_INTER = 1024  # narrower experts (one TP8 rank: 192) lose more to the sort ops,
+GROUP_MIN_PAIRS_NARROW = 512  # ... up to this many pairs
+PDL = os.environ.get("BEAMFX_PDL", "1") != "0"
+GROUP = 8  # pairs a block: the MMA's N
+
+
+@functools.cache
+def _cute():
+    """(the kernels module, None), or (None, why CuTeDSL does not import)."""
+    try:
+        from beamfx.kernels.moe import cutedsl_kernels
+    except Exception as err:  # ImportError, or a CUDA setup error on import
+        return None, f"CuTeDSL (nvidia-cutlass-dsl) does not import: {err}"
+    return cutedsl_kernels, None
+
+
+def why_not_device(device: torch.device) -> str | None:
+    if os.environ.get("BEAMFX_CUTEDSL", "1") == "0":
+        return "disabled by BEAMFX_CUTEDSL=0"
+    if device.type != "cuda":
+        return f"needs a CUDA device, got {device}"
+    cap = torch.cuda.get_device_capability(device)
+    if cap[0] != 9:
+        return f"needs compute capability 9.x (Hopper, sm_90a), this GPU is {cap}"
+    return _cute()[1]
+
+
+def _stream_type():
+    from cuda.bindings import driver
+
+    return driver.CUstream
+
+
+@dataclass(frozen=True)
+class Config:
+    """Warps of a CTA (FC1: splitting K; FC2: splitting the token's experts) and chunks of
+    64 codes a lane keeps in flight (`depth`)."""
+
+    warps1: int = 4
+    depth1: int = 4
+    warps2: int = 8
+    depth2: int = 4
+    grouped: bool = False
+    # programmatic dependent launch: FC2 loads its first weights while FC1 finishes
+    pdl: bool = False
+
+
+FEW_CTAS = 512  # FC1 below this many CTAs (one TP8 rank at a token: 192) splits K 8 ways
+
+
+def pick_config(pairs: int, hidden: int, inter: int, top_k: int) -> Config:
+    """Measured on an H200 (bench/NOTES.md, MoE run 9): four chunks in flight a lane,
+    FC1 on 4 warps (8 where there are few CTAs), FC2 one warp an expert; blocks of pairs
+    sharing an expert from GROUP_MIN_PAIRS on wide experts (or GROUP_MIN_PAIRS_NARROW).
+    Programmatic dependent launch where FC2 loads all its weights before it waits (it
+    slowed wide experts at a token: FC2's waiting CTAs hold SMs from FC1's last wave)."""
+    pdl = PDL and inter <= 64 * Config.depth2
+    if pairs >= (GROUP_MIN_PAIRS if inter >= GROUP_MIN_INTER else GROUP_MIN_PAIRS_NARROW):
+        return Config(warps1=4, depth1=2, warps2=2, depth2=2, grouped=True, pdl=pdl)
+    warps1 = 8 if pairs * (inter // 8) < FEW_CTAS else 4
+    return Config(warps1=warps1, warps2=min(8, top_k), pdl=pdl)
+
+
+@functools.cache
+def compiled_fc1(topk: int, warps: int, depth: int, pdl: bool):
+    k = _cute()[0]
+    z64, z32 = k.Int64(0), k.Int32(1)
+    stream = _stream_type()(0)
+    return k.cute.compile(
+        k.fc1_host, z64, z64, z64, z64, z64, z64, z32, z32, z32, stream, topk, warps, depth, pdl
+    )
+
+
+@functools.cache
+def compiled_fc2(topk: int, warps: int, combine: bool, depth: int, pdl: bool):
+    k = _cute()[0]
+    z64, z32 = k.Int64(0), k.Int32(1)
+    stream = _stream_type()(0)
+    return k.cute.compile(
+        k.fc2_host, z64, z64, z64, z64, z64, z64, z64, k.Float32(1.0), z32, z32, z32,
+        stream, topk, warps, combine, depth, pdl,
+    )  # fmt: skip
+
+
+@functools.cache
+def compiled_grouped(topk: int, w1: int, d1: int, w2: int, d2: int, pdl: bool):
+    k = _cute()[0]
+    z64, z32 = k.Int64(0), k.Int32(1)
+    stream = _stream_type()(0)
+    fc1 = k.cute.compile(k.fc1_grouped_host, *[z64] * 7, z32, z32, z32, stream, topk, w1, d1, pdl)
+    fc2 = k.cute.compile(k.fc2_grouped_host, *[z64] * 7, z32, z32, z32, stream, w2, d2, pdl)
+    return fc1, fc2
+
+
+# --- weights, prepared once per layer --------------------------------------------------------
+
+_prepared: dict[tuple, tuple] = {}
+
+
+def prepare(w13, w13_scale, w13_global, w2, w2_scale, w2_global):
+    """The experts in fragment layout (cached per weight storage and version)."""
+    key = tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in (w13, w13_scale, w2, w2_scale))
+    if key not in _prepared:
+        inter = w13.shape[1] // 2
+        fc1 = frag.repack(w13, w13_scale, frag.swiglu_row_order(inter).to(w13.device))
+        fc2 = frag.repack(w2, w2_scale)
+        _prepared[key] = (fc1, fc2)
+    fc1, fc2 = _prepared[key]
+    return fc1, fc2, w13_global.float().contiguous(), w2_global.float().contiguous()
+
+
+def _stream():
+    return _stream_type()(torch.cuda.current_stream().cuda_stream)
+
+
+def experts(x, ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights=None,
+            routed_scale=1.0, config: Config | None = None):  # fmt: skip
+    """FC1 + SwiGLU, then FC2 (+ combine when `topk_weights` is given: [T, H], else the
+    rows [T, k, H])."""
+    t, k = ids.shape
+    hidden, inter = x.shape[1], w13.shape[1] // 2
+    cfg = config or pick_config(t * k, hidden, inter, k)
+    fc1, fc2, g13, g2 = prepare(w13, w13_scale, w13_global, w2, w2_scale, w2_global)
+    x = x.contiguous()
+    flat = ids.reshape(-1).to(torch.int32).contiguous()
+    h = torch.empty(t * k, inter, device=x.device, dtype=torch.bfloat16)
+    combine = topk_weights is not None
+    stream = _stream()
+    if cfg.grouped:
+        return _grouped(x, flat, t, k, h, fc1, fc2, g13, g2, topk_weights, routed_scale, cfg,
+                        w13.shape[0], stream)  # fmt: skip
+    if t:
+        compiled_fc1(k, cfg.warps1, cfg.depth1, cfg.pdl)(
+            x.data_ptr(), flat.data_ptr(), fc1.codes.data_ptr(), fc1.scales.data_ptr(),
+            g13.data_ptr(), h.data_ptr(), t * k, hidden, inter, stream,
+        )  # fmt: skip
+    if combine:
+        out = torch.empty(t, hidden, device=x.device, dtype=torch.bfloat16)
+        weights = topk_weights.reshape(-1).float().contiguous()
+    else:
+        out = torch.empty(t, k, hidden, device=x.device, dtype=torch.bfloat16)
+        weights = g2
+    if t:
+        compiled_fc2(k, cfg.warps2, combine, cfg.depth2, cfg.pdl)(
+            h.data_ptr(), flat.data_ptr(), fc2.codes.data_ptr(), fc2.scales.data_ptr(),
+            g2.data_ptr(), weights.data_ptr(), out.data_ptr(), float(routed_scale), t,
+            hidden, inter, stream,
+        )  # fmt: skip
+    return out
+
+
+def _grouped(x, flat, t, k, h, fc1, fc2, g13, g2, topk_weights, routed_scale, cfg, experts,
+             stream):  # fmt: skip
+    """Pairs sorted into blocks of one expert; FC1, FC2 (rows) and the finalize."""
+    from beamfx.kernels.moe import triton as tk
+
+    hidden, inter = x.shape[1], h.shape[1]
+    order, blocks = tk.sort_blocks(flat, experts, GROUP)
+    rows = torch.empty(t, k, hidden, device=x.device, dtype=torch.bfloat16)
+    run1, run2 = compiled_grouped(k, cfg.warps1, cfg.depth1, cfg.warps2, cfg.depth2, cfg.pdl)
+    n_blocks = blocks.shape[0]
+    run1(
+        x.data_ptr(), order.data_ptr(), blocks.data_ptr(), fc1.codes.data_ptr(),
+        fc1.scales.data_ptr(), g13.data_ptr(), h.data_ptr(), n_blocks, hidden, inter, stream,
+    )  # fmt: skip
+    run2(
+        h.data_ptr(), order.data_ptr(), blocks.data_ptr(), fc2.codes.data_ptr(),
+        fc2.scales.data_ptr(), g2.data_ptr(), rows.data_ptr(), n_blocks, hidden, inter, stream,
+    )  # fmt: skip
+    if topk_weights is None:
+        return rows
+    return tk.finalize_rows(rows, topk_weights, routed_scale)
+
+
+LAUNCHES = 2  # below GROUP_MIN_PAIRS; from there, the sort's torch ops and a finalize too
+
+
+# --- providers -------------------------------------------------------------------------------
+
+
+def why_not(x, topk_ids, w13, w2) -> str | None:
+    reason = why_not_device(x.device)
+    if reason:
+        return reason
+    if x.dtype != torch.bfloat16 or w13.dtype != torch.uint8 or w2.dtype != torch.uint8:
+        return f"needs bf16 activations and NVFP4 (uint8) weights, got {x.dtype}, {w13.dtype}"
+    if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        return f"needs x [T, H] and topk_ids [T, k], got {tuple(x.shape)}, {tuple(topk_ids.shape)}"
+    pairs = topk_ids.numel()
+    if pairs > MAX_PAIRS:
+        return f"serves up to {MAX_PAIRS} (token, expert) pairs, got {pairs}"
+    hidden, inter = x.shape[1], w13.shape[1] // 2
+    return frag.why_not_shape(2 * inter, hidden) or frag.why_not_shape(hidden, inter)
+
+
+def moe_experts_nvfp4(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_ids):
+    return experts(x, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global)
+
+
+def supports_moe_experts_nvfp4(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, ids):
+    return why_not(x, ids, w13, w2)
+
+
+def mega_moe_nvfp4(
+    x, topk_weights, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, routed_scale
+):
+    return experts(
+        x, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights,
+        routed_scale,
+    )  # fmt: skip
+
+
+def supports_mega_moe_nvfp4(x, topk_weights, topk_ids, w13, *rest):
+    return why_not(x, topk_ids, w13, rest[2])
+
+
+MOE_EXPERTS_NVFP4 = Provider("cutedsl", moe_experts_nvfp4, supports_moe_experts_nvfp4)
+MEGA_MOE_NVFP4 = Provider("cutedsl", mega_moe_nvfp4, supports_mega_moe_nvfp4)
