@@ -8,7 +8,7 @@ and 8192 (one sequence). Attention is `F.scaled_dot_product_attention` with a bo
 
 Rows, each timed as a CUDA-graph replay median (wall-clock median on CPU):
 - eager: the plain model as written; Beam IR ops run their references, experts on
-  `torch._grouped_mm` (bf16) or the NVFP4 Triton kernel (NVFP4 has no library path);
+  `torch._grouped_mm` (bf16) or beamfx's NVFP4 kernels (NVFP4 has no library path);
 - torch.compile: the plain model under Inductor's defaults, no beamfx fusion (Beam IR is
   lowered back to torch code; experts as in eager);
 - beamfx: `beamfx.compile(passes="all")`, every fused op on its fast provider.
@@ -298,19 +298,21 @@ def _version(module: str) -> str | None:
 ROWS_RUN = """\
 - **eager**: the plain model as written; Beam IR ops run their torch references; experts on
   `torch._grouped_mm` (bf16; rows sorted by expert, gathered, scattered back) or beamfx's
-  NVFP4 Triton kernel (NVFP4 has no library path), finalize in torch.
+  NVFP4 experts op (NVFP4 has no library path: CuTeDSL up to 512 (token, expert) pairs on
+  Hopper, else Triton), finalize in torch.
 - **torch.compile**: the plain model under Inductor's defaults, no beamfx fusion pass
   (Beam IR lowered back to torch code, so Inductor fuses norms, residual adds and routing
   itself); experts as in eager (an opaque op), router GEMM on cuBLAS fp32.
 - **beamfx**: `beamfx.compile(passes="all")`: attention gate (Triton), router GEMM (Triton:
   whole rows per program at 1-8 tokens, split-K to 255; from 256 tokens one cuBLAS bf16 GEMM
   on the fp32 weight's three exact bf16 pieces, K in chunks) with routing (Triton), MegaMoE
-  (Triton, bf16 or NVFP4 W4A16; NVFP4 in fp32 FMAs up to 256 (token, expert) pairs, 512 for
-  narrow experts; the finalize folded into FC2 at decode sizes, FC2 writing k rows and a
-  finalize kernel at sorted-block sizes; bf16 in 128-row blocks with wide tiles once the
-  experts average 128 rows), two fused boundaries per layer (Triton), the rest
-  as compile; the boundary, few-token router and routing kernels launch with programmatic
-  dependent launch.
+  (NVFP4 W4A16 up to 512 (token, expert) pairs on Hopper: CuTeDSL tensor-core kernels on
+  weights repacked into MMA fragments, per pair with the finalize in FC2, or from 128 pairs
+  on wide experts in blocks of 8 pairs of one expert with a finalize kernel; else Triton,
+  bf16 or NVFP4, FC2 writing k rows and a finalize kernel at sorted-block sizes; bf16 in
+  128-row blocks with wide tiles once the experts average 128 rows), two fused boundaries
+  per layer (Triton), the rest as compile; the boundary, few-token router and routing
+  kernels launch with programmatic dependent launch.
 - **beamfx, finalize in boundary** (`--finalize-in-boundary`): the passes in the order
   attn_gate, router_gemm, boundary, mega_moe: the experts write their k rows each and the
   second boundary kernel finalizes them.

@@ -1,7 +1,9 @@
 """Benchmark the MoE experts + combine, Beam-1.0-shaped, side by side in one run.
 
 Shapes: hidden 5120, 256 experts, top-8; moe_intermediate 1536 (TP=1) and 192 (one rank
-of TP=8); tokens 1, 8, 64, 512, 4096. Variants: the NVFP4 Triton kernel (W4A16), the bf16
+of TP=8); tokens 1, 8, 64, 512, 4096. Variants: the NVFP4 CuTeDSL kernels (Hopper, up to
+512 (token, expert) pairs; `--cutedsl-sweep` times their configs), the NVFP4 Triton
+kernel (W4A16), the bf16
 Triton kernel, torch._grouped_mm bf16, the reference (small token counts only: it loops
 over experts on the host), beside the floors: NVFP4 weight bytes (distinct experts touched
 x 3 x hidden x moe_intermediate x 0.5625 B) over the measured copy bandwidth, and at
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import importlib.metadata
 import json
 import os
 import platform
@@ -26,6 +29,7 @@ import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
+from beamfx.kernels.moe import cutedsl as cd
 from beamfx.kernels.moe import grouped, nvfp4
 from beamfx.kernels.moe import reference as ref
 from beamfx.kernels.moe import triton as tk
@@ -160,6 +164,15 @@ def atomics_config(x: torch.Tensor, w2b: torch.Tensor, fp4: bool) -> tk.Config:
     return replace(cfg, combine_rows=False)
 
 
+# CuTeDSL configs timed by --cutedsl-sweep: (FC1 warps, depth, FC2 warps, depth, grouped, PDL)
+CUTEDSL_SWEEP = [
+    cd.Config(*c)
+    for c in ((4, 4, 8, 4, False, False), (4, 8, 8, 4, False, True), (8, 4, 8, 4, False, True),
+              (4, 4, 8, 2, False, True), (4, 2, 4, 2, True, False), (4, 2, 4, 2, True, True),
+              (4, 4, 4, 2, True, True), (4, 2, 2, 2, True, True))
+]  # fmt: skip
+
+
 def variants(q: nvfp4.NVFP4Experts, w13b: torch.Tensor, w2b: torch.Tensor) -> dict:
     """The implementations compared, each `fn(x, ids, weights)` -> [T, H] bf16."""
     scales = (q.w13_scale, q.w13_global, q.w2_scale, q.w2_global)
@@ -179,6 +192,9 @@ def variants(q: nvfp4.NVFP4Experts, w13b: torch.Tensor, w2b: torch.Tensor) -> di
             2.5,
             config=tk.mma_config(x.shape[0] * TOP_K, HIDDEN, w2b.shape[2], True),
         ),  # fmt: skip
+        # the CuTeDSL tensor-core kernels (fragment-layout weights), where they serve
+        "nvfp4_cutedsl": lambda x, i, w: cd.experts(x, i, *q.tensors(), w, 2.5),
+        "cutedsl_config": lambda x, i, w, c: cd.experts(x, i, *q.tensors(), w, 2.5, config=c),
         "nvfp4_fma": lambda x, i, w: tk.moe(
             x, i, q.w13, q.w2, scales, w, 2.5, config=tk.fma_config(w2b.shape[2])
         ),
@@ -200,7 +216,9 @@ def variants(q: nvfp4.NVFP4Experts, w13b: torch.Tensor, w2b: torch.Tensor) -> di
     }
 
 
-def bench_shape(shape, inter, token_counts, gen, bw, mm, sweep, sweeps, fma_sweep=False):
+def bench_shape(
+    shape, inter, token_counts, gen, bw, mm, sweep, sweeps, fma_sweep=False, cutedsl_sweep=False
+):
     q = random_experts(inter, gen)
     w13b, w2b = dense_bf16(q)
     fns = variants(q, w13b, w2b)
@@ -223,6 +241,8 @@ def bench_shape(shape, inter, token_counts, gen, bw, mm, sweep, sweeps, fma_swee
         names = ["nvfp4_triton", "bf16_triton", "grouped_mm_bf16"]
         if tokens * TOP_K <= tk.SCAN_MAX_PAIRS:
             names += ["nvfp4_mma", "nvfp4_fma"]
+            if cd.why_not(x0, i0, q.w13, q.w2) is None:
+                names.append("nvfp4_cutedsl")
         else:
             names += ["nvfp4_atomics", "bf16_atomics"]
         for name in names:
@@ -245,6 +265,13 @@ def bench_shape(shape, inter, token_counts, gen, bw, mm, sweep, sweeps, fma_swee
             print(f"{shape} T={tokens:5d} FMA FC1 {row['nvfp4_fma_fc1_us']:.1f} us (floor "
                   f"{2 * row['floor_nvfp4_us'] / 3:.1f}), FC2 {row['nvfp4_fma_fc2_us']:.1f} us "
                   f"(floor {row['floor_nvfp4_us'] / 3:.1f})", flush=True)  # fmt: skip
+        if cutedsl_sweep and "nvfp4_cutedsl" in names:
+            for cfg in CUTEDSL_SWEEP:
+                fn = functools.partial(fns["cutedsl_config"], c=cfg)
+                err, us = measure(fn, sets, want)
+                sweeps.append(dict(shape=shape, tokens=tokens, cutedsl=cfg.__dict__, us=us,
+                                   err=err))  # fmt: skip
+                print(f"  cutedsl sweep {cfg}: {us:.1f} us err {err:.1e}", flush=True)
         if tokens <= 8:  # host loop over experts: not graph-capturable, slow
             row["reference_us"] = time_over(fns["reference"], sets[:2], graph=False)
         if fma_sweep and tokens * TOP_K <= tk.SCAN_MAX_PAIRS:
@@ -293,6 +320,7 @@ def main() -> None:
     ap.add_argument("--sweep-nvfp4-only", action="store_true", help="sweep the NVFP4 kernel only")
     ap.add_argument("--tokens", type=int, nargs="*", help="token counts (default: all)")
     ap.add_argument("--fma-sweep", action="store_true", help="sweep the NVFP4 FMA kernel tiles")
+    ap.add_argument("--cutedsl-sweep", action="store_true", help="sweep the CuTeDSL configs")
     ap.add_argument("--shapes", nargs="*", choices=list(SHAPES), help="shapes (default: all)")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -306,18 +334,23 @@ def main() -> None:
         if not (args.quick and shape == "TP1"):
             tokens = args.tokens or (TOKENS if not args.quick else (1, 64, 4096))
             sweep = "nvfp4" if args.sweep_nvfp4_only else args.sweep
-            rows += bench_shape(shape, inter, tokens, gen, bw, mm, sweep, sweeps, args.fma_sweep)
+            rows += bench_shape(
+                shape, inter, tokens, gen, bw, mm, sweep, sweeps, args.fma_sweep,
+                args.cutedsl_sweep,
+            )  # fmt: skip
             torch.cuda.empty_cache()
     meta = dict(
         device=torch.cuda.get_device_name(),
         capability=list(torch.cuda.get_device_capability()),
         torch=torch.__version__,
         triton=triton.__version__,
+        nvidia_cutlass_dsl=_version("nvidia-cutlass-dsl"),
         python=platform.python_version(),
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         copy_bandwidth_GBps=bw / 1e9,
         bf16_matmul_TFLOPs=mm / 1e12,
-        launches_per_call=f"{tk.LAUNCHES} (NVFP4/bf16 Triton, <= {tk.SCAN_MAX_PAIRS} pairs)",
+        launches_per_call=f"{tk.LAUNCHES} (NVFP4/bf16 Triton, <= {tk.SCAN_MAX_PAIRS} pairs); "
+        f"CuTeDSL {cd.LAUNCHES} (< {cd.GROUP_MIN_PAIRS} pairs, else the sort's ops + 3)",
         shape=dict(hidden=HIDDEN, experts=EXPERTS, top_k=TOP_K, moe_intermediate=SHAPES),
     )
     os.makedirs(args.out, exist_ok=True)
@@ -329,21 +362,30 @@ def main() -> None:
     print(table)
 
 
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
 def markdown(meta: dict, rows: list[dict]) -> str:
     lines = [
         f"# MoE experts + combine, Beam-1.0-shaped "
         f"(hidden {HIDDEN}, {EXPERTS} experts, top-{TOP_K})",
         "",
-        f"{meta['device']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['date']}. "
+        f"{meta['device']}, torch {meta['torch']}, Triton {meta['triton']}, "
+        f"nvidia-cutlass-dsl {meta.get('nvidia_cutlass_dsl', '4.8.1')}, {meta['date']}. "
         f"Measured: copy {meta['copy_bandwidth_GBps']:.0f} GB/s, bf16 matmul "
         f"{meta['bf16_matmul_TFLOPs']:.0f} TFLOP/s. CUDA-graph replay medians (us per call).",
         "",
-        "| shape | tokens | experts | NVFP4 Triton | % of NVFP4 floor | bf16 Triton | "
+        "| shape | tokens | experts | NVFP4 CuTeDSL (% of floor, vs bf16) | NVFP4 Triton | "
+        "% of NVFP4 floor | bf16 Triton | "
         "grouped_mm bf16 | reference | NVFP4 floor | bf16 floor | FLOP floor | "
         "NVFP4 vs bf16 | TFLOP/s NVFP4 | best swept NVFP4 / bf16 | "
         "NVFP4 MMA / FMA (forced; FMA launches alone, % of their floor), or the combine as "
         "the combine by fp32 atomics (NVFP4 / bf16) |",
-        "|" + " --- |" * 15,
+        "|" + " --- |" * 16,
     ]
     for r in rows:
         fp4 = r["nvfp4_triton_us"]
@@ -355,6 +397,10 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                 f"{r['bf16_best_us']:.1f}" if "bf16_best_us" in r else "-"
             )
         path = f" ({r['nvfp4_path']})" if "nvfp4_path" in r else ""  # which kernels ran
+        cute = "-"
+        if r.get("nvfp4_cutedsl_us", float("nan")) == r.get("nvfp4_cutedsl_us"):  # not NaN
+            c = r["nvfp4_cutedsl_us"]
+            cute = f"{c:.1f} ({100 * r['floor_nvfp4_us'] / c:.0f}%, {r['bf16_triton_us'] / c:.2f}x)"
         forced = "-"
         if "nvfp4_fma_us" in r:
             forced = f"{r['nvfp4_mma_us']:.1f} / {r['nvfp4_fma_us']:.1f}"
@@ -367,7 +413,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             forced += f"{100 * floor / 3 / f2:.0f}%)"
         lines.append(
             f"| {r['shape']} (I={r['inter']}) | {r['tokens']} | {r['experts_touched']:.0f} | "
-            f"{fp4:.1f}{path} | {100 * r['floor_nvfp4_us'] / fp4:.0f}% | "
+            f"{cute} | {fp4:.1f}{path} | {100 * r['floor_nvfp4_us'] / fp4:.0f}% | "
             f"{r['bf16_triton_us']:.1f} | "
             f"{r['grouped_mm_bf16_us']:.1f} | {refus} | {r['floor_nvfp4_us']:.1f} | "
             f"{r['floor_bf16_us']:.1f} | {r['floor_flops_us']:.1f} | "
