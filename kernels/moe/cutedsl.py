@@ -171,6 +171,8 @@ def experts(x, ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_we
     cfg = config or pick_config(t * k, hidden, inter, k)
     fc1, fc2, g13, g2 = prepare(w13, w13_scale, w13_global, w2, w2_scale, w2_global)
     x = x.contiguous()
+    if x.data_ptr() % 16:  # activations are read 8 bytes at a time
+        x = x.clone()
     flat = ids.reshape(-1).to(torch.int32).contiguous()
     h = torch.empty(t * k, inter, device=x.device, dtype=torch.bfloat16)
     combine = topk_weights is not None

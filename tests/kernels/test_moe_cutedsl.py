@@ -166,3 +166,20 @@ def test_nvfp4_zero_scales_zero_their_block():
     assert (dense[0, 3, 16:32] == 0).all() and (dense[0, 3, :16] != 0).all()
     assert torch.equal(dense, frag.expected(packed, scale.to(torch.float8_e4m3fn)))
     assert nvfp4.E2M1_VALUES[7] == 6.0
+
+
+def test_pick_config_follows_the_measured_rules():
+    """The defaults bench/NOTES.md (MoE run 9) chose: per pair below 128 pairs (512 on
+    narrow experts), blocks above; FC1 on 8 warps below 512 CTAs; PDL where FC2's K fits
+    the chunks it loads before waiting."""
+    tp1, tp8 = 1536, 192
+    one = cd.pick_config(8, 5120, tp1, 8)
+    assert (one.grouped, one.warps1, one.warps2, one.pdl) == (False, 4, 8, False)
+    narrow = cd.pick_config(8, 5120, tp8, 8)  # 8 pairs x 24 tiles = 192 CTAs
+    assert (narrow.grouped, narrow.warps1) == (False, 8)
+    assert narrow.pdl == cd.PDL
+    assert not cd.pick_config(120, 5120, tp1, 8).grouped
+    assert cd.pick_config(128, 5120, tp1, 8).grouped
+    assert not cd.pick_config(256, 5120, tp8, 8).grouped
+    assert cd.pick_config(512, 5120, tp8, 8).grouped
+    assert cd.pick_config(4, 5120, tp1, 2).warps2 == 2  # a warp an expert
