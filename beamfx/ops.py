@@ -43,17 +43,24 @@ class OpDef:
     providers: list[Provider] = field(default_factory=list)
     op: torch._ops.OpOverloadPacket | None = None
     last_provider: str = "reference"
+    # Why each provider ahead of `last_provider` declined the last call (`provider_report`).
+    last_declined: dict[str, str] = field(default_factory=dict)
+    calls: int = 0
 
     def dispatch(self, *args):
         _install_providers()
         pinned = _PINNED.get(self.name)
+        self.calls += 1
+        declined = {}
         for p in self.providers:
             if pinned is not None and p.name != pinned:
                 continue
-            if p.supports(*args) is None:
-                self.last_provider = p.name
+            reason = p.supports(*args)
+            if reason is None:
+                self.last_provider, self.last_declined = p.name, declined
                 return p.fn(*args)
-        self.last_provider = "reference"
+            declined[p.name] = reason
+        self.last_provider, self.last_declined = "reference", declined
         return self.reference(*args)
 
     def add_provider(self, provider: Provider) -> None:
@@ -62,6 +69,20 @@ class OpDef:
 
 REGISTRY: dict[str, OpDef] = {}
 _PINNED: dict[str, str] = {}
+
+
+def provider_report(reset: bool = False) -> dict[str, dict]:
+    """Per op run since the last reset: its calls, the provider of the last call, and why
+    each provider ahead of it declined (a fallback to the reference says why here)."""
+    out = {
+        name: {"calls": d.calls, "provider": d.last_provider, "declined": dict(d.last_declined)}
+        for name, d in REGISTRY.items()
+        if d.calls
+    }
+    if reset:
+        for d in REGISTRY.values():
+            d.calls, d.last_provider, d.last_declined = 0, "reference", {}
+    return out
 
 
 @contextlib.contextmanager

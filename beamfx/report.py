@@ -41,15 +41,18 @@ def compile_and_report(
     explain: bool = False,
 ) -> dict[str, Any]:
     """Run `model` compiled with `passes` and without; return the report (JSON-able)."""
+    from beamfx import ops
     from beamfx.testing import compile_with
 
-    results = {}
+    results, kernels = {}, {}
     for label, chosen in (("fused", passes), ("unfused", ())):
         torch.compiler.reset()
         compiled, manager = compile_with(model, chosen, explain=explain and label == "fused")
+        ops.provider_report(reset=True)
         start = time.perf_counter()
         with torch.no_grad():
             results[label] = (compiled(input_ids), manager, time.perf_counter() - start)
+        kernels[label] = ops.provider_report(reset=True)
     fused, manager, seconds = results["fused"]
     unfused = results["unfused"][0]
     scale = unfused.abs().max().item()
@@ -65,6 +68,9 @@ def compile_and_report(
         "ops_before": _total(r.ops_before for r in manager.reports),
         "ops_after": _total(r.ops_after for r in manager.reports),
         "explain": [asdict(e) | {"graph": r.index} for r in manager.reports for e in r.explain],
+        # which implementation ran each Beam IR op in the fused run, and why faster ones
+        # declined (`ops.provider_report`)
+        "kernels": kernels["fused"],
         "check": {
             "max_abs_diff_vs_unfused": diff,
             "max_abs_logit": scale,
@@ -99,6 +105,11 @@ def format_report(report: dict[str, Any], cfg: BeamConfig) -> str:
         where = f"[{e['constraint']}] " if e["constraint"] else ""
         lines.append(f"  not fused: {e['node']} ({e['pass_name']}/{e['rule']}): {where}"
                      f"{e['reason']}")  # fmt: skip
+    lines.append("  kernels (fused run): op -> implementation of its last call")
+    for op, k in report.get("kernels", {}).items():
+        lines.append(f"    {op:<28} {k['provider']:<10} x{k['calls']}")
+        for name, why in k["declined"].items():
+            lines.append(f"      {name} declined: {why}")
     c = report["check"]
     verdict = "agree" if c["agree"] else "DISAGREE"
     lines.append(f"  outputs vs the unfused compile: max |diff| {c['max_abs_diff_vs_unfused']:.3g} "

@@ -23,6 +23,11 @@ def test_compile_reports_json_with_matches_per_pass(capsys):
     assert report["matches"]["router_gemm"] == report["matches"]["mega_moe"] == 2
     assert report["ops_after"]["beamfx.fused_boundary"] == 8
     assert report["check"]["agree"]
+    # what ran them: on CPU the references, with the GPU providers' reasons
+    kernels = report["kernels"]
+    assert kernels["fused_boundary"]["calls"] == 8
+    assert kernels["fused_boundary"]["provider"] == "reference"
+    assert "CUDA" in kernels["mega_moe"]["declined"]["grouped_mm"]
 
 
 @pytest.mark.slow

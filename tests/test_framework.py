@@ -273,3 +273,26 @@ def test_the_match_loop_falls_back_to_inductors_without_its_helpers(monkeypatch)
     monkeypatch.setattr(pm.PatternMatcherPass, "apply", apply)
     assert get_pass("attn_gate").apply(graph) == 1
     assert len(calls) == 1  # through Inductor's loop
+
+
+def test_provider_report_says_what_ran_and_why_faster_ones_declined():
+    opdef = ir.REGISTRY["rms_norm"]
+    saved = list(opdef.providers)
+    opdef.add_provider(ir.Provider("picky", opdef.reference, lambda x, w, eps: "needs a GPU"))
+    try:
+        ir.provider_report(reset=True)
+        x, w = torch.randn(2, 8), torch.ones(8)
+        for _ in range(3):
+            ir.rms_norm(x, w, 1e-6)
+        report = ir.provider_report(reset=True)
+        assert report["rms_norm"] == {
+            "calls": 3,
+            "provider": "reference",
+            "declined": {"picky": "needs a GPU"},
+        }
+        assert ir.provider_report() == {}  # reset
+        with ir.pinned_providers(rms_norm="picky"):  # a pin skips the others, says why
+            ir.rms_norm(x, w, 1e-6)
+        assert ir.provider_report(reset=True)["rms_norm"]["declined"] == {"picky": "needs a GPU"}
+    finally:
+        opdef.providers = saved
