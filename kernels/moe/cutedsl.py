@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from beamfx.kernels.moe import fragments as frag
+from beamfx.kernels.moe.weight_cache import WeightCache
 from beamfx.ops import Provider
 
 MAX_PAIRS = 512  # tokens x top-k up to which this path serves (the MMA path wins above)
@@ -143,18 +144,18 @@ def compiled_grouped(topk: int, w1: int, d1: int, w2: int, d2: int, pdl: bool):
 
 # --- weights, prepared once per layer --------------------------------------------------------
 
-_prepared: dict[tuple, tuple] = {}
+PREPARED = WeightCache()
 
 
 def prepare(w13, w13_scale, w13_global, w2, w2_scale, w2_global):
-    """The experts in fragment layout (cached per weight storage and version)."""
-    key = tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in (w13, w13_scale, w2, w2_scale))
-    if key not in _prepared:
+    """The experts in fragment layout, built on a layer's first call and cached."""
+
+    def build():
         inter = w13.shape[1] // 2
         fc1 = frag.repack(w13, w13_scale, frag.swiglu_row_order(inter).to(w13.device))
-        fc2 = frag.repack(w2, w2_scale)
-        _prepared[key] = (fc1, fc2)
-    fc1, fc2 = _prepared[key]
+        return fc1, frag.repack(w2, w2_scale)
+
+    fc1, fc2 = PREPARED.get((w13, w13_scale, w2, w2_scale), build)
     return fc1, fc2, w13_global.float().contiguous(), w2_global.float().contiguous()
 
 

@@ -18,6 +18,7 @@ import functools
 
 import torch
 
+from beamfx.kernels.moe.weight_cache import WeightCache
 from beamfx.ops import Provider
 
 MIN_CAPABILITY = (10, 0)
@@ -96,14 +97,11 @@ def to_flashinfer_layout(w13, w13_scale, w13_global, w2, w2_scale, w2_global):
     )
 
 
-_prepared: dict[tuple, tuple] = {}
+PREPARED = WeightCache()  # one entry per layer: a copy of its experts in FlashInfer's layout
 
 
 def _prepare(*weights):
-    key = tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in weights)
-    if key not in _prepared:  # one entry per layer: a copy of its experts in FlashInfer's layout
-        _prepared[key] = to_flashinfer_layout(*weights)
-    return _prepared[key]
+    return PREPARED.get(weights, lambda: to_flashinfer_layout(*weights))
 
 
 def mega_moe_nvfp4(

@@ -183,3 +183,32 @@ def test_pick_config_follows_the_measured_rules():
     assert not cd.pick_config(256, 5120, tp8, 8).grouped
     assert cd.pick_config(512, 5120, tp8, 8).grouped
     assert cd.pick_config(4, 5120, tp1, 2).warps2 == 2  # a warp an expert
+
+
+def test_weight_cache_holds_its_sources_and_rebuilds_on_change():
+    """An entry keeps its source tensors alive, so no other tensor can take their address
+    and be served their converted copy; views hit, in-place writes rebuild."""
+    import gc
+    import weakref
+
+    from beamfx.kernels.moe.weight_cache import WeightCache
+
+    cache, built = WeightCache(max_entries=2), []
+
+    def build(tag):
+        return lambda: built.append(tag) or tag
+
+    a = torch.zeros(64)
+    alive = weakref.ref(a)
+    assert cache.get((a,), build("a")) == "a"
+    assert cache.get((a[:64],), build("view")) == "a"  # a view of the same data
+    a.add_(1)  # an in-place write moves the version
+    assert cache.get((a,), build("a2")) == "a2"
+    del a
+    gc.collect()
+    assert alive() is not None  # held by its entries: the memory cannot be reused
+    assert cache.get((torch.zeros(64),), build("b")) == "b"  # a new tensor, a new address
+    assert built == ["a", "a2", "b"] and len(cache) == 2  # the oldest entry went
+    cache.clear()
+    gc.collect()
+    assert alive() is None

@@ -1,0 +1,48 @@
+"""Expert weights converted once for a kernel's layout, cached per source tensors.
+
+A key of addresses alone is unsafe: once a source tensor is freed, a new tensor of the
+same shape can land at the same address and would get the old tensor's converted copy.
+So an entry holds its source tensors: while it lives their memory cannot be reused, and a
+tensor with the same address, shape, strides and version is a view of the same data.
+In-place writes bump the version and rebuild. Entries are few (one per MoE layer); the
+oldest goes once `max_entries` are held, releasing its sources.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+
+class WeightCache:
+    def __init__(self, max_entries: int = 512):
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple, tuple[tuple[torch.Tensor, ...], object]] = OrderedDict()
+
+    @staticmethod
+    def key(tensors: tuple[torch.Tensor, ...]) -> tuple:
+        return tuple(
+            (t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride(), t._version)
+            for t in tensors
+        )
+
+    def get(self, tensors: tuple[torch.Tensor, ...], build: Callable[[], object]) -> object:
+        """The converted weights of `tensors`, built by `build()` on a miss."""
+        key = self.key(tensors)
+        hit = self._entries.get(key)
+        if hit is not None:
+            self._entries.move_to_end(key)
+            return hit[1]
+        value = build()
+        self._entries[key] = (tuple(tensors), value)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+        return value
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
