@@ -230,6 +230,15 @@ LAUNCHES = 2  # below GROUP_MIN_PAIRS; from there, the sort's torch ops and a fi
 # --- providers -------------------------------------------------------------------------------
 
 
+def why_not_pairs(pairs) -> str | None:
+    """Too many (token, expert) pairs for these kernels. A symbolic count (the passes ask
+    while compiling for any batch size) is not compared: that would guard the graph on it;
+    the run-time call decides."""
+    if isinstance(pairs, int) and pairs > MAX_PAIRS:
+        return f"serves up to {MAX_PAIRS} (token, expert) pairs, got {pairs}"
+    return None
+
+
 def why_not(x, topk_ids, w13, w2) -> str | None:
     reason = why_not_device(x.device)
     if reason:
@@ -238,9 +247,9 @@ def why_not(x, topk_ids, w13, w2) -> str | None:
         return f"needs bf16 activations and NVFP4 (uint8) weights, got {x.dtype}, {w13.dtype}"
     if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         return f"needs x [T, H] and topk_ids [T, k], got {tuple(x.shape)}, {tuple(topk_ids.shape)}"
-    pairs = topk_ids.numel()
-    if pairs > MAX_PAIRS:
-        return f"serves up to {MAX_PAIRS} (token, expert) pairs, got {pairs}"
+    reason = why_not_pairs(topk_ids.numel())
+    if reason:
+        return reason
     hidden, inter = x.shape[1], w13.shape[1] // 2
     return frag.why_not_shape(2 * inter, hidden) or frag.why_not_shape(hidden, inter)
 

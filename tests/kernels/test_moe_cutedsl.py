@@ -212,3 +212,16 @@ def test_weight_cache_holds_its_sources_and_rebuilds_on_change():
     cache.clear()
     gc.collect()
     assert alive() is None
+
+
+def test_pair_limit_leaves_a_symbolic_batch_unguarded():
+    """The passes ask providers while compiling, where the token count is a symbol: the
+    pair limit must not guard (specialize) the graph on it; concrete counts are checked."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    tokens = env.create_unbacked_symint()  # comparing an unbacked symbol would raise
+    assert cd.why_not_pairs(tokens * 8) is None
+    assert not env.guards
+    assert cd.why_not_pairs(512) is None
+    assert "up to 512" in cd.why_not_pairs(513)
