@@ -1,9 +1,19 @@
 """Measuring kernels on a CUDA GPU, shared by the benchmarks in tools/: copy bandwidth,
-CUDA-graph replay timing, kernel launches per call."""
+CUDA-graph replay timing, kernel launches per call, package versions for the record."""
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import torch
+
+
+def package_version(dist: str) -> str | None:
+    """An installed distribution's version (for a benchmark's record), or None."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def copy_bandwidth() -> float:

@@ -32,6 +32,7 @@ import torch
 import beamfx
 from beamfx import ops
 from beamfx.config import BeamConfig, load_config
+from beamfx.kernels.measure import package_version
 from beamfx.models.beam import BeamDecoderLayer, Parallel
 
 DECODE = (1, 8, 32, 128)
@@ -271,7 +272,7 @@ def main() -> None:
     meta = {
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.machine(),
         "torch": torch.__version__,
-        "triton": _version("triton"),
+        "triton": package_version("triton"),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "config": args.config,
         "copy_GBps": round(bw / 1e9, 1) if bw else None,
@@ -286,13 +287,6 @@ def main() -> None:
         f.write(text)
     plot(rows, stem)
     print(text)
-
-
-def _version(module: str) -> str | None:
-    try:
-        return __import__(module).__version__
-    except ImportError:
-        return None
 
 
 ROWS_RUN = """\

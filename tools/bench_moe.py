@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import importlib.metadata
 import json
 import os
 import platform
@@ -29,6 +28,7 @@ import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
+from beamfx.kernels.measure import package_version
 from beamfx.kernels.moe import cutedsl as cd
 from beamfx.kernels.moe import grouped, nvfp4
 from beamfx.kernels.moe import reference as ref
@@ -344,7 +344,7 @@ def main() -> None:
         capability=list(torch.cuda.get_device_capability()),
         torch=torch.__version__,
         triton=triton.__version__,
-        nvidia_cutlass_dsl=_version("nvidia-cutlass-dsl"),
+        nvidia_cutlass_dsl=package_version("nvidia-cutlass-dsl") or "absent",
         python=platform.python_version(),
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         copy_bandwidth_GBps=bw / 1e9,
@@ -360,13 +360,6 @@ def main() -> None:
     with open(os.path.join(args.out, "moe.md"), "w") as f:
         f.write(table)
     print(table)
-
-
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "absent"
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
