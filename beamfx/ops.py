@@ -108,8 +108,14 @@ PROVIDERS: dict[str, list[str]] = {
     "fused_boundary": ["beamfx.kernels.boundary.triton:FUSED_BOUNDARY"],
     "fused_boundary_residual": ["beamfx.kernels.boundary.triton:FUSED_BOUNDARY_RESIDUAL"],
     "attn_gate": ["beamfx.kernels.norm.triton:ATTN_GATE"],
-    "router_gemm": ["beamfx.kernels.router.triton:ROUTER_GEMM"],
-    "routed_topk": ["beamfx.kernels.router.triton:ROUTED_TOPK"],
+    "router_gemm": [
+        "beamfx.kernels.router.cutedsl:ROUTER_GEMM",
+        "beamfx.kernels.router.triton:ROUTER_GEMM",
+    ],
+    "routed_topk": [
+        "beamfx.kernels.router.cutedsl:ROUTED_TOPK",
+        "beamfx.kernels.router.triton:ROUTED_TOPK",
+    ],
     "moe_experts": [
         "beamfx.kernels.moe.triton:MOE_EXPERTS",
         "beamfx.kernels.moe.grouped:MOE_EXPERTS",

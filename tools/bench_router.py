@@ -1,7 +1,9 @@
 """Benchmark the MoE router at Beam-1.0's shape: hidden 5120, 256 experts, fp32 weight.
 
 Side by side in one run, per token count (1, 2, 4, 8, 16, 32, 64, 128, and 256-8192 to
-place the crossovers): the provider's choice (logits, and logits + routing); the Triton
+place the crossovers): the provider's choice (`beamfx.ops` dispatch: logits, and logits +
+routing); the CuTeDSL kernel (up to 64 tokens: logits, and logits + routing in one launch;
+`--cutedsl-sweep` times its cluster and warp splits); the Triton
 router GEMM kernel forced (up to 1024 tokens); the Triton router + grouped top-k (fused
 into the GEMM's last programs, and as a second kernel); cuBLAS on the weight's three exact
 bf16 pieces (one bf16 GEMM, fp32 output), with and without routing; cuBLAS fp32
@@ -14,7 +16,7 @@ this run); kernel launches per call (torch.profiler: device kernels and memsets 
 eager call); the logits' error against fp64 and the tokens whose experts differ from the
 reference.
 
-    python tools/bench_router.py [--out DIR] [--sweep]
+    python tools/bench_router.py [--out DIR] [--sweep] [--cutedsl-sweep]
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from beamfx.kernels.measure import copy_bandwidth, count_launches, time_per_call
+from beamfx import ops
+from beamfx.kernels.measure import copy_bandwidth, count_launches, package_version, time_per_call
+from beamfx.kernels.router import cutedsl as rc
 from beamfx.kernels.router import reference
 from beamfx.kernels.router import triton as rt
 
@@ -70,6 +74,39 @@ def logits_errors(out: torch.Tensor, x, w, tol=1e-5) -> tuple[float, int]:
 
 def routing(x, w, bias, fused, config=None):
     return rt.routed_topk(x, w, bias, TOP_K, N_GROUP, TOPK_GROUP, True, fused=fused, config=config)
+
+
+def cute_routing(x, w, bias, config=None):
+    return rc.routed_topk(x, w, bias, TOP_K, N_GROUP, TOPK_GROUP, True, config=config)
+
+
+CUTEDSL_SWEEP_TOKENS = (1, 4, 8, 16, 32, 64)
+CUTEDSL_SWEEP = [  # cluster, warps, chains, PDL, probe (a stage left out, to time it)
+    rc.Config(8, 4, 2, True),
+    rc.Config(8, 4, 4, True),
+    rc.Config(4, 8, 2, True),
+    rc.Config(8, 4, 2, True, probe=1),
+    rc.Config(8, 4, 2, True, probe=2),
+    rc.Config(8, 4, 2, True, probe=3),
+]
+
+
+def cutedsl_sweep(weights, bias, gen) -> list[dict]:
+    rows = []
+    for tokens in CUTEDSL_SWEEP_TOKENS:
+        xs = [torch.randn(tokens, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
+              for _ in range(N_WEIGHTS)]  # fmt: skip
+        sets = list(zip(xs, weights))
+        for cfg in CUTEDSL_SWEEP:
+            gemm = lambda x, w, c=cfg: rc.router_gemm(x, w, config=c)
+            routed = lambda x, w, c=cfg: cute_routing(x, w, bias, c)
+            rel, off = logits_errors(gemm(*sets[0]), *sets[0])  # a probe's: meaningless
+            row = dict(tokens=tokens, config=repr(cfg), logits_rel_err=float(f"{rel:.2e}"),
+                       elements_off_1e_5=off, logits_us=round(time_per_call(gemm, sets), 2),
+                       routed_us=round(time_per_call(routed, sets), 2))  # fmt: skip
+            rows.append(row)
+            print(row, flush=True)
+    return rows
 
 
 @triton.jit
@@ -337,6 +374,8 @@ def main() -> None:
     ap.add_argument("--split-sweep", action="store_true", help="only sweep split-K and routing")
     ap.add_argument("--then-table", action="store_true",
                     help="after --split-sweep, run the table with the sweep's winners")  # fmt: skip
+    ap.add_argument("--cutedsl-sweep", action="store_true",
+                    help="only time the CuTeDSL kernel's configs")  # fmt: skip
     ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -383,6 +422,17 @@ def main() -> None:
         if not args.then_table:
             return
         adopt_sweep(swept)
+    if args.cutedsl_sweep:
+        meta = stamp(
+            timing=f"CUDA-graph replay median per call over {N_WEIGHTS} rotating weights",
+            copy_bandwidth_GBps=round(bw / 1e9, 1),
+            floor_us=round(floor_us, 3),
+            cutlass_dsl=package_version("nvidia-cutlass-dsl"),
+        )
+        bias = torch.randn(EXPERTS, generator=gen, device="cuda") * 0.05
+        with open(os.path.join(args.out, "router_cutedsl_sweep.json"), "w") as f:
+            json.dump(dict(meta=meta, rows=cutedsl_sweep(weights, bias, gen)), f, indent=1)
+        return
     if args.probe:
         meta = stamp(
             timing=f"CUDA-graph replay median per call over {N_WEIGHTS} calls",
@@ -411,9 +461,20 @@ def main() -> None:
         kernel = rt._gemm_config(tokens)
         pieces = rt.PIECES_CONFIG
         variants = {
-            "provider logits": (lambda x, w: rt.router_gemm(x, w), sets),
-            "provider router + routing": (lambda x, w: routing(x, w, bias, False), sets),
+            "provider logits": (lambda x, w: ops.router_gemm(x, w), sets),
+            "provider router + routing": (
+                lambda x, w: ops.routed_topk(x, w, bias, TOP_K, N_GROUP, TOPK_GROUP, True),
+                sets,
+            ),
         }
+        if tokens <= rc.MAX_TOKENS and rc.why_not(x0, w0) is None:
+            variants |= {
+                "cutedsl router gemm": (lambda x, w: rc.router_gemm(x, w), sets),
+                "cutedsl router + routing (1 kernel)": (
+                    lambda x, w: cute_routing(x, w, bias),
+                    sets,
+                ),
+            }
         if tokens <= rt.TRITON_MAX_TOKENS:
             variants |= {
                 "triton router gemm": (lambda x, w, k=kernel: rt.router_gemm(x, w, config=k), sets),
@@ -490,6 +551,9 @@ def main() -> None:
         device=torch.cuda.get_device_name(),
         torch=torch.__version__,
         triton=triton.__version__,
+        cutlass_dsl=package_version("nvidia-cutlass-dsl"),
+        cutedsl_logits=f"{rc.LOGITS_MIN_TOKENS}-{rc.MAX_TOKENS}",
+        cutedsl_routed=f"{rc.ROUTED_MIN_TOKENS}-{rc.ROUTED_MAX_TOKENS}",
         python=platform.python_version(),
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         shape=f"hidden {HIDDEN} x {EXPERTS} experts, fp32 weight, bf16 activations",
@@ -540,7 +604,10 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "",
         f"{meta['device']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['date']}. "
         f"Copy bandwidth measured: {meta['copy_bandwidth_GBps']} GB/s; weight-read floor "
-        f"{meta['floor_us']} us. {meta['timing']}. Routing: {meta['routing']}. The provider: "
+        f"{meta['floor_us']} us. {meta['timing']}. Routing: {meta['routing']}. The provider "
+        f"(`beamfx.ops` dispatch): the CuTeDSL kernel (nvidia-cutlass-dsl "
+        f"{meta.get('cutlass_dsl')}) for logits at {meta.get('cutedsl_logits', '-')} tokens and "
+        f"logits + routing at {meta.get('cutedsl_routed', '-')}, else "
         f"Triton kernels up to {provider_bound(meta)}. Cells: us (% of "
         "floor) [launches]; "
         f"empty where a path does not run at that count.",

@@ -1,0 +1,486 @@
+"""The CuTeDSL kernel of `kernels/router/cutedsl.py` (imported only where CuTeDSL is
+installed). Loads, the weight's split into bf16 pieces, the MMAs, the cluster's shared-memory
+exchange, the arrival counter and the routing's warp operations are inline PTX.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+from cutlass.cutlass_dsl import dsl_user_op
+
+from beamfx.kernels.moe.cutedsl_kernels import _asm, mma
+from beamfx.kernels.router.cutedsl import sort_network
+
+MASKED = -(2**31)  # the key of a masked or taken expert: below every float's key
+
+
+# --- loads, stores, the weight's pieces -------------------------------------------------------
+
+
+@dsl_user_op
+def ld_w4(addr, *, loc=None, ip=None):
+    """16 bytes of the weight, streamed (no L1 allocation). Volatile, so that the compiler
+    keeps it where it is written: ahead of the wait for the previous launch."""
+    return _asm(
+        [Int32] * 4, [Int64(addr)], "ld.global.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,l", True, loc, ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
+def ld_x4(addr, *, loc=None, ip=None):
+    """16 bytes of activations (8 bf16: four MMA B registers of two K steps). Not `.nc`:
+    the previous launch wrote them, and ptxas moves non-coherent loads above the wait."""
+    return _asm(
+        [Int32] * 4, [Int64(addr)], "ld.global.v4.u32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,l", False, loc, ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
+def ld_l2_v4(addr, *, loc=None, ip=None):
+    """4 floats written by other CTAs of this launch (read at L2, after the acquire)."""
+    return _asm(
+        [Float32] * 4, [Int64(addr)], "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];",
+        "=f,=f,=f,=f,l", True, loc, ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
+def ld_l2(addr, *, loc=None, ip=None):
+    return _asm([Float32], [Int64(addr)], "ld.global.cg.f32 $0, [$1];", "=f,l", True, loc, ip)[0]
+
+
+@dsl_user_op
+def st_f32(addr, value, *, loc=None, ip=None):
+    _asm([], [Int64(addr), Float32(value)], "st.global.f32 [$0], $1;", "l,f", True, loc, ip)
+
+
+@dsl_user_op
+def st_s32(addr, value, *, loc=None, ip=None):
+    _asm([], [Int64(addr), Int32(value)], "st.global.s32 [$0], $1;", "l,r", True, loc, ip)
+
+
+@dsl_user_op
+def pieces(w0, w1, *, loc=None, ip=None):
+    """Two fp32 weights (their bits) -> three bf16 pairs (hi, mid, lo), w = hi + mid + lo
+    exactly: hi is w truncated to bf16, mid the rest truncated, lo what is left (at most 8
+    significant bits). bf16 x bf16 products are exact in the MMA."""
+    return _asm(
+        [Int32] * 3,
+        [Int32(w0), Int32(w1)],
+        "{ .reg .b32 h0, h1, r0, r1, m0, m1, l0, l1; "
+        "and.b32 h0, $3, 0xFFFF0000; and.b32 h1, $4, 0xFFFF0000; "
+        "sub.f32 r0, $3, h0; sub.f32 r1, $4, h1; "
+        "and.b32 m0, r0, 0xFFFF0000; and.b32 m1, r1, 0xFFFF0000; "
+        "sub.f32 l0, r0, m0; sub.f32 l1, r1, m1; "
+        "prmt.b32 $0, $3, $4, 0x7632; prmt.b32 $1, r0, r1, 0x7632; "
+        "prmt.b32 $2, l0, l1, 0x7632; }",
+        "=r,=r,=r,r,r",
+        False,
+        loc,
+        ip,
+    )
+
+
+# --- the cluster: shared memory, barriers, the arrival counter ----------------------------------
+
+
+@dsl_user_op
+def st_shared(addr, value, *, loc=None, ip=None):
+    _asm([], [Int32(addr), Float32(value)], "st.shared.f32 [$0], $1;", "r,f", True, loc, ip)
+
+
+@dsl_user_op
+def ld_peer(addr, rank, *, loc=None, ip=None):
+    """The float at `addr` in the shared memory of the cluster's CTA `rank`."""
+    return _asm(
+        [Float32], [Int32(addr), Int32(rank)],
+        "{ .reg .b32 a; mapa.shared::cluster.u32 a, $1, $2; ld.shared::cluster.f32 $0, [a]; }",
+        "=f,r,r", True, loc, ip,
+    )[0]  # fmt: skip
+
+
+@dsl_user_op
+def st_peer_s32(addr, rank, value, *, loc=None, ip=None):
+    _asm(
+        [], [Int32(addr), Int32(rank), Int32(value)],
+        "{ .reg .b32 a; mapa.shared::cluster.u32 a, $0, $1; st.shared::cluster.u32 [a], $2; }",
+        "r,r,r", True, loc, ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
+def ld_shared_s32(addr, *, loc=None, ip=None):
+    return _asm([Int32], [Int32(addr)], "ld.shared.u32 $0, [$1];", "=r,r", True, loc, ip)[0]
+
+
+@dsl_user_op
+def cluster_sync(relaxed=False, *, loc=None, ip=None):
+    """Every thread of the cluster: arrive (release), wait (acquire). `relaxed` (no memory
+    ordering: wrong for the exchange) only times the release's cost (`probe` 2)."""
+    arrive = (
+        "barrier.cluster.arrive.relaxed.aligned;" if relaxed else "barrier.cluster.arrive.aligned;"
+    )
+    _asm([], [], arrive + " barrier.cluster.wait.aligned;", "", True, loc, ip)
+
+
+@dsl_user_op
+def fence_gpu(*, loc=None, ip=None):
+    _asm([], [], "fence.acq_rel.gpu;", "", True, loc, ip)
+
+
+@dsl_user_op
+def arrive(counter, *, loc=None, ip=None):
+    """One arrival on the launch's counter: the count before it (acquire + release)."""
+    return _asm(
+        [Int32], [Int64(counter)], "atom.add.acq_rel.gpu.global.u32 $0, [$1], 1;", "=r,l",
+        True, loc, ip,
+    )[0]  # fmt: skip
+
+
+@dsl_user_op
+def reset(counter, *, loc=None, ip=None):
+    _asm([], [Int64(counter)], "st.relaxed.gpu.global.u32 [$0], 0;", "l", True, loc, ip)
+
+
+@dsl_user_op
+def cluster_rank(*, loc=None, ip=None):
+    return _asm([Int32], [], "mov.u32 $0, %cluster_ctarank;", "=r", False, loc, ip)[0]
+
+
+# --- routing: order-preserving keys and warp operations ----------------------------------------
+
+
+@dsl_user_op
+def bits(value, *, loc=None, ip=None):
+    return _asm([Int32], [Float32(value)], "mov.b32 $0, $1;", "=r,f", False, loc, ip)[0]
+
+
+@dsl_user_op
+def from_bits(value, *, loc=None, ip=None):
+    return _asm([Float32], [Int32(value)], "mov.b32 $0, $1;", "=f,r", False, loc, ip)[0]
+
+
+@dsl_user_op
+def key_of(value, *, loc=None, ip=None):
+    """A float's bits made order-preserving as a signed int (an involution: the same
+    operation takes a key back to the float's bits)."""
+    return _asm(
+        [Int32], [Int32(value)],
+        "{ .reg .b32 t; shr.s32 t, $1, 31; and.b32 t, t, 0x7FFFFFFF; xor.b32 $0, $1, t; }",
+        "=r,r", False, loc, ip,
+    )[0]  # fmt: skip
+
+
+@dsl_user_op
+def float_of(key, *, loc=None, ip=None):
+    return _asm(
+        [Float32], [Int32(key)],
+        "{ .reg .b32 t, u; shr.s32 t, $1, 31; and.b32 t, t, 0x7FFFFFFF; xor.b32 u, $1, t; "
+        "mov.b32 $0, u; }",
+        "=f,r", False, loc, ip,
+    )[0]  # fmt: skip
+
+
+@dsl_user_op
+def exchange(ka, kb, ia, ib, sa, sb, *, loc=None, ip=None):
+    """A compare-exchange of (key, expert, score) triples: the larger key first."""
+    return _asm(
+        [Int32] * 6,
+        [Int32(ka), Int32(kb), Int32(ia), Int32(ib), Int32(sa), Int32(sb)],
+        "{ .reg .pred p; setp.gt.s32 p, $7, $6; "
+        "selp.b32 $0, $7, $6, p; selp.b32 $1, $6, $7, p; "
+        "selp.b32 $2, $9, $8, p; selp.b32 $3, $8, $9, p; "
+        "selp.b32 $4, $11, $10, p; selp.b32 $5, $10, $11, p; }",
+        "=&r,=&r,=&r,=&r,=&r,=&r,r,r,r,r,r,r",
+        False,
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
+def max_s32(a, b, *, loc=None, ip=None):
+    return _asm([Int32], [Int32(a), Int32(b)], "max.s32 $0, $1, $2;", "=r,r,r", False, loc, ip)[0]
+
+
+@dsl_user_op
+def min_s32(a, b, *, loc=None, ip=None):
+    return _asm([Int32], [Int32(a), Int32(b)], "min.s32 $0, $1, $2;", "=r,r,r", False, loc, ip)[0]
+
+
+@dsl_user_op
+def shfl_xor(value, mask, *, loc=None, ip=None):
+    return _asm(
+        [Int32], [Int32(value)], f"shfl.sync.bfly.b32 $0, $1, {mask}, 0x1f, 0xffffffff;",
+        "=r,r", True, loc, ip,
+    )[0]  # fmt: skip
+
+
+@dsl_user_op
+def shfl_idx(value, lane, *, loc=None, ip=None):
+    return _asm(
+        [Int32], [Int32(value), Int32(lane)], "shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;",
+        "=r,r,r", True, loc, ip,
+    )[0]  # fmt: skip
+
+
+@dsl_user_op
+def beats(score, other, group, other_group, *, loc=None, ip=None):
+    """1 if group `other_group` (score `other`) ranks ahead of `group`: a higher score, or
+    the same score and a lower index."""
+    return _asm(
+        [Int32], [Float32(score), Float32(other), Int32(group), Int32(other_group)],
+        "{ .reg .pred p, q, e; setp.gt.f32 p, $2, $1; setp.eq.f32 e, $2, $1; "
+        "setp.lt.s32 q, $4, $3; and.pred e, e, q; or.pred p, p, e; selp.s32 $0, 1, 0, p; }",
+        "=r,f,f,r,r", False, loc, ip,
+    )[0]  # fmt: skip
+
+
+@dsl_user_op
+def pick(cond, a, b, *, loc=None, ip=None):
+    """`a` where `cond` is nonzero, else `b`."""
+    return _asm(
+        [Int32], [Int32(cond), Int32(a), Int32(b)],
+        "{ .reg .pred p; setp.ne.s32 p, $1, 0; selp.b32 $0, $2, $3, p; }",
+        "=r,r,r,r", False, loc, ip,
+    )[0]  # fmt: skip
+
+
+@dsl_user_op
+def warp_argmax(key, *, loc=None, ip=None):
+    """The lowest lane holding the warp's largest key."""
+    return _asm(
+        [Int32], [Int32(key)],
+        "{ .reg .b32 m, b; .reg .pred p; redux.sync.max.s32 m, $1, 0xffffffff; "
+        "setp.eq.s32 p, $1, m; vote.sync.ballot.b32 b, p, 0xffffffff; "
+        "brev.b32 b, b; bfind.shiftamt.u32 $0, b; }",
+        "=r,r", True, loc, ip,
+    )[0]  # fmt: skip
+
+
+# --- the kernel --------------------------------------------------------------------------------
+
+
+@cute.jit
+def route_token(
+    logits, bias, weights, ids, t, lane,
+    experts: cutlass.Constexpr, n_group: cutlass.Constexpr, topk_group: cutlass.Constexpr,
+    top_k: cutlass.Constexpr, renorm: cutlass.Constexpr,
+):  # fmt: skip
+    """Grouped sigmoid top-k of token `t`'s logits (`reference.grouped_topk`) by one warp:
+    lane l holds experts [l * per, (l + 1) * per), sorted by biased score; the groups'
+    top-2 sums meet by butterfly shuffles; each of the top-k rounds takes the warp's best
+    head (`redux.sync`) and its lane moves on."""
+    per = experts // 32
+    lanes_per_group = 32 // n_group
+    keys = []
+    idx = []
+    sc = []
+    bias_v = [ld_l2(bias + (lane * per + i) * 4) for i in range(per)]
+    row = logits + (Int64(t) * experts + lane * per) * 4
+    vals = []
+    for v in cutlass.range_constexpr(per // 4):
+        vals.extend(ld_l2_v4(row + 16 * v))
+    for i in cutlass.range_constexpr(per % 4):
+        vals.append(ld_l2(row + 4 * i))
+    for i in cutlass.range_constexpr(per):
+        s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-vals[i]))
+        keys.append(key_of(bits(s + bias_v[i])))
+        idx.append(lane * per + i)
+        sc.append(bits(s))
+    net = sort_network(per)
+    for n in cutlass.range_constexpr(len(net)):
+        a, b = net[n]
+        keys[a], keys[b], idx[a], idx[b], sc[a], sc[b] = exchange(
+            keys[a], keys[b], idx[a], idx[b], sc[a], sc[b]
+        )
+    if cutlass.const_expr(topk_group < n_group):
+        first = keys[0]
+        second = keys[1] if cutlass.const_expr(per > 1) else Int32(MASKED)
+        for b in cutlass.range_constexpr(lanes_per_group.bit_length() - 1):
+            o1 = shfl_xor(first, 1 << b)  # top-2 of the group across its lanes
+            o2 = shfl_xor(second, 1 << b)
+            second = max_s32(min_s32(first, o1), max_s32(second, o2))
+            first = max_s32(first, o1)
+        score = float_of(first)
+        if cutlass.const_expr(experts // n_group > 1):
+            score = score + float_of(second)
+        group = lane // lanes_per_group
+        ahead = Int32(0)
+        for g in cutlass.range_constexpr(n_group):
+            other = from_bits(shfl_idx(bits(score), g * lanes_per_group))
+            ahead = ahead + beats(score, other, group, g)
+        kept = Int32(1)
+        if ahead >= topk_group:
+            kept = Int32(0)
+        for i in cutlass.range_constexpr(per):
+            keys[i] = pick(kept, keys[i], Int32(MASKED))
+    chosen = []
+    chosen_s = []
+    for _ in cutlass.range_constexpr(top_k):
+        winner = warp_argmax(keys[0])
+        chosen.append(shfl_idx(idx[0], winner))
+        chosen_s.append(from_bits(shfl_idx(sc[0], winner)))
+        won = Int32(0)
+        if lane == winner:
+            won = Int32(1)
+        for i in cutlass.range_constexpr(per - 1):
+            keys[i] = pick(won, keys[i + 1], keys[i])
+            idx[i] = pick(won, idx[i + 1], idx[i])
+            sc[i] = pick(won, sc[i + 1], sc[i])
+        keys[per - 1] = pick(won, Int32(MASKED), keys[per - 1])
+    total = Float32(1.0)
+    if cutlass.const_expr(renorm):
+        total = chosen_s[0]
+        for j in cutlass.range_constexpr(1, top_k):
+            total = total + chosen_s[j]
+    for j in cutlass.range_constexpr(top_k):
+        if lane == j:
+            w = chosen_s[j]
+            if cutlass.const_expr(renorm):
+                w = chosen_s[j] / total
+            st_f32(weights + (Int64(t) * top_k + j) * 4, w)
+            st_s32(ids + (Int64(t) * top_k + j) * 4, chosen[j])
+
+
+@cute.kernel
+def router_kernel(
+    x: Int64, w: Int64, logits: Int64, bias: Int64, weights: Int64, ids: Int64, counter: Int64,
+    tokens: Int32, hidden: cutlass.Constexpr, experts: cutlass.Constexpr,
+    n_tiles: cutlass.Constexpr, warps: cutlass.Constexpr, cluster: cutlass.Constexpr,
+    fp32_weight: cutlass.Constexpr, chains: cutlass.Constexpr, pdl: cutlass.Constexpr,
+    route: cutlass.Constexpr, n_group: cutlass.Constexpr, topk_group: cutlass.Constexpr,
+    top_k: cutlass.Constexpr, renorm: cutlass.Constexpr, probe: cutlass.Constexpr,
+):  # fmt: skip
+    """Logits of 16 experts (block x) over a 1/`cluster` share of K (the cluster's rank);
+    each warp takes 1/`warps` of that share, 32 of K a step. Partials meet in the cluster's
+    shared memory, summed in a fixed order. With `route`, the last cluster to finish routes
+    every token (one warp a token).
+
+    `probe` (benchmarks only; 0 otherwise) leaves a stage out to time it: 1 the exchange
+    (each warp stores its own partial), 2 the barriers' memory ordering, 3 the routing
+    (the arrival and the flags kept)."""
+    tile, _, _ = cute.arch.block_idx()
+    tid, _, _ = cute.arch.thread_idx()
+    warp = tid // 32
+    lane = tid % 32
+    g = lane // 4
+    c = lane % 4
+    rank = cluster_rank()
+    share = hidden // (cluster * warps)
+    steps = share // 32
+    k0 = (rank * warps + warp) * share + 8 * c
+    wbytes = 4 if cutlass.const_expr(fp32_weight) else 2
+    row0 = w + (Int64(tile * 16 + g) * hidden + k0) * wbytes
+    row8 = row0 + 8 * hidden * wbytes
+    # The weight (the bulk of the bytes) is read before the wait for the previous launch.
+    wr = []
+    for s in cutlass.range_constexpr(steps):
+        if cutlass.const_expr(fp32_weight):
+            wr.append(ld_w4(row0 + s * 128) + ld_w4(row0 + s * 128 + 16))
+            wr.append(ld_w4(row8 + s * 128) + ld_w4(row8 + s * 128 + 16))
+        else:
+            wr.append(ld_w4(row0 + s * 64))
+            wr.append(ld_w4(row8 + s * 64))
+    if cutlass.const_expr(pdl):
+        cute.arch.griddepcontrol_wait()
+    zero = Float32(0.0)
+    acc = [[zero, zero, zero, zero] for _ in range(n_tiles * chains)]
+    for s in cutlass.range_constexpr(steps):
+        for j in cutlass.range_constexpr(n_tiles):
+            tok = cutlass.min(j * 8 + g, tokens - 1)
+            xv = ld_x4(x + (Int64(tok) * hidden + k0 + s * 32) * 2)
+            for u in cutlass.range_constexpr(2):
+                r0 = wr[2 * s]
+                r8 = wr[2 * s + 1]
+                if cutlass.const_expr(fp32_weight):
+                    a0 = pieces(r0[4 * u], r0[4 * u + 1])
+                    a1 = pieces(r8[4 * u], r8[4 * u + 1])
+                    a2 = pieces(r0[4 * u + 2], r0[4 * u + 3])
+                    a3 = pieces(r8[4 * u + 2], r8[4 * u + 3])
+                    for p in cutlass.range_constexpr(3):
+                        # hi apart from mid + lo (2 chains), and the two K halves (4)
+                        ch = (0 if p == 0 or chains == 1 else 1) + (2 * u if chains == 4 else 0)
+                        chain = ch * n_tiles + j
+                        acc[chain] = list(
+                            mma(
+                                (a0[p], a1[p], a2[p], a3[p]), xv[2 * u], xv[2 * u + 1], acc[chain]
+                            )  # fmt: skip
+                        )
+                else:
+                    a = (r0[2 * u], r8[2 * u], r0[2 * u + 1], r8[2 * u + 1])
+                    acc[j] = list(mma(a, xv[2 * u], xv[2 * u + 1], acc[j]))
+    # Partials [warp][token][expert] in shared memory; C fragment: rows g, g + 8 (experts),
+    # columns 2c, 2c + 1 (tokens).
+    cols = n_tiles * 8
+    part = cute.arch.alloc_smem(Float32, warps * cols * 16 + 4, alignment=16).toint()
+    flag = part + warps * cols * 16 * 4
+    relaxed = probe == 2
+    for j in cutlass.range_constexpr(n_tiles):
+        v = acc[j]
+        if cutlass.const_expr(fp32_weight):
+            for ch in cutlass.range_constexpr(1, chains):
+                more = acc[ch * n_tiles + j]
+                v = [v[i] + more[i] for i in range(4)]
+        for i in cutlass.range_constexpr(4):
+            tok = j * 8 + 2 * c + i % 2
+            e = g + 8 * (i // 2)
+            if cutlass.const_expr(probe == 1):
+                if tok < tokens:
+                    st_f32(logits + (Int64(tok) * experts + tile * 16 + e) * 4, v[i])
+            else:
+                st_shared(part + ((warp * cols + tok) * 16 + e) * 4, v[i])
+    if cutlass.const_expr(probe == 1):
+        return
+    cluster_sync(relaxed)
+    # This CTA's share of the tile's [cols x 16] outputs: the sum over the cluster's CTAs
+    # and their warps, in that order.
+    share_out = cols * 16 // cluster
+    for o in cutlass.range(tid, share_out, warps * 32):
+        at = rank * share_out + o
+        tok = at // 16
+        total = Float32(0.0)
+        for q in cutlass.range_constexpr(cluster):
+            for wp in cutlass.range_constexpr(warps):
+                total = total + ld_peer(part + ((wp * cols) * 16 + at) * 4, q)
+        if tok < tokens:
+            st_f32(logits + (Int64(tok) * experts + tile * 16 + at % 16) * 4, total)
+    if cutlass.const_expr(route):
+        fence_gpu()
+    cluster_sync(relaxed)
+    if cutlass.const_expr(route):
+        # The last cluster to arrive sees every cluster's logits and routes.
+        if rank == 0 and tid == 0:
+            last = Int32(0)
+            if arrive(counter) == experts // 16 - 1:
+                last = Int32(1)
+                reset(counter)
+            for q in cutlass.range_constexpr(cluster):
+                st_peer_s32(flag, q, last)
+        cluster_sync(relaxed)
+        if cutlass.const_expr(probe != 3):  # noqa: SIM102 (a static if around a dynamic one)
+            if ld_shared_s32(flag) != 0:
+                fence_gpu()
+                for t in cutlass.range(rank * warps + warp, tokens, cluster * warps):
+                    route_token(logits, bias, weights, ids, t, lane, experts, n_group,
+                                topk_group, top_k, renorm)  # fmt: skip
+
+
+@cute.jit
+def router_host(
+    x: Int64, w: Int64, logits: Int64, bias: Int64, weights: Int64, ids: Int64, counter: Int64,
+    tokens: Int32, stream, hidden: cutlass.Constexpr, experts: cutlass.Constexpr,
+    n_tiles: cutlass.Constexpr, warps: cutlass.Constexpr, cluster: cutlass.Constexpr,
+    fp32_weight: cutlass.Constexpr, chains: cutlass.Constexpr, pdl: cutlass.Constexpr,
+    route: cutlass.Constexpr, n_group: cutlass.Constexpr, topk_group: cutlass.Constexpr,
+    top_k: cutlass.Constexpr, renorm: cutlass.Constexpr, probe: cutlass.Constexpr,
+):  # fmt: skip
+    router_kernel(
+        x, w, logits, bias, weights, ids, counter, tokens, hidden, experts, n_tiles, warps,
+        cluster, fp32_weight, chains, pdl, route, n_group, topk_group, top_k, renorm, probe,
+    ).launch(
+        grid=[experts // 16, cluster, 1], block=[32 * warps, 1, 1], cluster=[1, cluster, 1],
+        stream=stream, use_pdl=pdl,
+    )  # fmt: skip
