@@ -58,6 +58,33 @@ def ld_v2(addr, offset=0, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def ld_v4_early(addr, *, loc=None, ip=None):
+    """`ld_v4` for the loads issued before `griddepcontrol.wait`: volatile and coherent, so
+    that ptxas keeps them there (it moves `.nc` loads, and the wait, freely)."""
+    return _asm(
+        [Int32] * 4, [Int64(addr)], "ld.global.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,l", True, loc, ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
+def ld_v2_early(addr, *, loc=None, ip=None):
+    return _asm(
+        [Int32] * 2, [Int64(addr)], "ld.global.v2.u32 {$0, $1}, [$2];", "=r,=r,l", True, loc, ip
+    )
+
+
+@dsl_user_op
+def ld_act(addr, offset=0, *, loc=None, ip=None):
+    """`ld_v2` for activations in a kernel that waits for the previous launch (which wrote
+    them): not `.nc`, which ptxas would be free to move above `griddepcontrol.wait`."""
+    return _asm(
+        [Int32] * 2, [Int64(addr)], f"ld.global.v2.u32 {{$0, $1}}, [$2+{offset}];",
+        "=r,=r,l", False, loc, ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
 def ld_s32(addr, *, loc=None, ip=None):
     return _asm([Int32], [Int64(addr)], "ld.global.nc.s32 $0, [$1];", "=r,l", False, loc, ip)[0]
 
@@ -163,39 +190,46 @@ def wait_and_release():
 
 
 @cute.jit
-def load_chunks(w_at, s_at, first, last, depth: cutlass.Constexpr):
+def load_chunks(w_at, s_at, first, last, depth: cutlass.Constexpr, early: cutlass.Constexpr):
     """Codes (4 words) and scales (2 words) of chunks first .. first + depth - 1, each
-    clamped to `last` (a repeated load, not a branch)."""
+    clamped to `last` (a repeated load, not a branch). `early`: loads that must stay ahead
+    of a following `griddepcontrol.wait`."""
     w = ()
     s = ()
     for d in cutlass.range_constexpr(depth):
         ch = cutlass.min(first + d, last)
-        w = w + ld_v4(w_at + Int64(ch) * 512)
-        s = s + ld_v2(s_at + Int64(ch) * 64)
+        if cutlass.const_expr(early):
+            w = w + ld_v4_early(w_at + Int64(ch) * 512)
+            s = s + ld_v2_early(s_at + Int64(ch) * 64)
+        else:
+            w = w + ld_v4(w_at + Int64(ch) * 512)
+            s = s + ld_v2(s_at + Int64(ch) * 64)
     return w, s
 
 
 @cute.jit
 def dot_rows(
-    w_at, s_at, x_at, lane_c, c_begin, c_end, depth: cutlass.Constexpr, wait: cutlass.Constexpr
-):
+    w_at, s_at, x_at, lane_c, c_begin, c_end, depth: cutlass.Constexpr, wait: cutlass.Constexpr,
+    pdl: cutlass.Constexpr,
+):  # fmt: skip
     """Sum over chunks [c_begin, c_end) of a 16-row tile times one activation row:
     (row g, row g + 8) of this lane, fp32, the scales' 2^-16 left in. `depth` chunks a
     step are in flight while the previous step's are multiplied. With `wait`, the first
     step's weights load before the wait for the previous launch (programmatic dependent
-    launch), which wrote the activations."""
+    launch), which wrote the activations. `pdl`: the kernel waits (here or before), so the
+    activations load coherently (`ld_act`); else through the non-coherent path."""
     acc = (Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0))
     last = c_end - 1
-    w, s = load_chunks(w_at, s_at, c_begin, last, depth)
+    w, s = load_chunks(w_at, s_at, c_begin, last, depth, wait)
     if cutlass.const_expr(wait):
         cute.arch.griddepcontrol_wait()
     for base in cutlass.range(c_begin, c_end, depth):
-        w_n, s_n = load_chunks(w_at, s_at, base + depth, last, depth)
+        w_n, s_n = load_chunks(w_at, s_at, base + depth, last, depth, False)
         for d in cutlass.range_constexpr(depth):
             if base + d < c_end:
                 x_ch = x_at + Int64((base + d) * 128 + lane_c * 8)
                 for i in cutlass.range_constexpr(4):
-                    xb = ld_v2(x_ch, i * 32)
+                    xb = ld_act(x_ch, i * 32) if cutlass.const_expr(pdl) else ld_v2(x_ch, i * 32)
                     sw = s[2 * d + i // 2]
                     a = decode_tile(
                         w[4 * d + i],
@@ -235,6 +269,7 @@ def fc1_kernel(
             c_end,
             depth,
             False,
+            pdl,
         )
     # one MMA column suffices (all hold the token): only rows g (gate) and g + 8 (up) meet
     red = cute.make_tensor(cute.arch.alloc_smem(Float32, warps * 64), cute.make_layout(warps * 64))
@@ -278,6 +313,7 @@ def fc2_kernel(
             kc,
             depth,
             pdl,
+            pdl,
         )
         ge = ld_f32(g2 + Int64(e) * 4) * frag.UNDO
         lo = round_bf16(acc[0] * ge)
@@ -315,7 +351,8 @@ def warp_sum(acc, red, warp, lane, warps: cutlass.Constexpr):
 
 @cute.jit
 def split_k_dot(codes, scales, act, tile, kc, warp, lane, warps: cutlass.Constexpr,
-                depth: cutlass.Constexpr, wait: cutlass.Constexpr):  # fmt: skip
+                depth: cutlass.Constexpr, wait: cutlass.Constexpr,
+                pdl: cutlass.Constexpr):  # fmt: skip
     """Tile `tile` (16 rows, `kc` chunks) times one activation row an MMA column (`act`,
     this lane's), K split over the CTA's warps: the accumulators summed (valid in warp 0)."""
     per = (kc + warps - 1) // warps
@@ -332,6 +369,7 @@ def split_k_dot(codes, scales, act, tile, kc, warp, lane, warps: cutlass.Constex
             c_end,
             depth,
             wait,
+            pdl,
         )
     red = cute.make_tensor(
         cute.arch.alloc_smem(Float32, warps * 128), cute.make_layout(warps * 128)
@@ -367,7 +405,7 @@ def fc1_grouped_kernel(
         tile = Int64(e) * (inter // 8) + rt
         x_at = x + Int64(col_pair // topk) * hidden * 2
         total = split_k_dot(
-            codes, scales, x_at, tile, hidden // 64, warp, lane, warps, depth, False
+            codes, scales, x_at, tile, hidden // 64, warp, lane, warps, depth, False, pdl
         )
         if warp == 0:
             g_gate = ld_f32(g13 + Int64(e) * 8) * frag.UNDO
@@ -395,7 +433,9 @@ def fc2_grouped_kernel(
     if e >= 0:
         tile = Int64(e) * (hidden // 16) + rt
         h_at = hbuf + Int64(col_pair) * inter * 2
-        total = split_k_dot(codes, scales, h_at, tile, inter // 64, warp, lane, warps, depth, pdl)
+        total = split_k_dot(
+            codes, scales, h_at, tile, inter // 64, warp, lane, warps, depth, pdl, pdl
+        )
         if warp == 0:
             ge = ld_f32(g2 + Int64(e) * 4) * frag.UNDO
             for n in cutlass.range_constexpr(2):

@@ -12,6 +12,7 @@ from beamfx.kernels.moe.cutedsl_kernels import _asm, mma
 from beamfx.kernels.router.cutedsl import sort_network
 
 MASKED = -(2**31)  # the key of a masked or taken expert: below every float's key
+X_AHEAD_LOADS = 16  # activation loads (16 bytes) a lane issues at once after the wait
 
 
 # --- loads, stores, the weight's pieces -------------------------------------------------------
@@ -33,7 +34,7 @@ def ld_x4(addr, *, loc=None, ip=None):
     the previous launch wrote them, and ptxas moves non-coherent loads above the wait."""
     return _asm(
         [Int32] * 4, [Int64(addr)], "ld.global.v4.u32 {$0, $1, $2, $3}, [$4];",
-        "=r,=r,=r,=r,l", False, loc, ip,
+        "=r,=r,=r,=r,l", True, loc, ip,
     )  # fmt: skip
 
 
@@ -108,6 +109,11 @@ def st_peer_s32(addr, rank, value, *, loc=None, ip=None):
         "{ .reg .b32 a; mapa.shared::cluster.u32 a, $0, $1; st.shared::cluster.u32 [a], $2; }",
         "r,r,r", True, loc, ip,
     )  # fmt: skip
+
+
+@dsl_user_op
+def st_shared_s32(addr, value, *, loc=None, ip=None):
+    _asm([], [Int32(addr), Int32(value)], "st.shared.u32 [$0], $1;", "r,r", True, loc, ip)
 
 
 @dsl_user_op
@@ -356,8 +362,8 @@ def router_kernel(
 ):  # fmt: skip
     """Logits of 16 experts (block x) over a 1/`cluster` share of K (the cluster's rank);
     each warp takes 1/`warps` of that share, 32 of K a step. Partials meet in the cluster's
-    shared memory, summed in a fixed order. With `route`, the last cluster to finish routes
-    every token (one warp a token).
+    shared memory, summed in a fixed order. With `route`, the cluster of the last CTA to
+    finish routes every token (one warp a token).
 
     `probe` (benchmarks only; 0 otherwise) leaves a stage out to time it: 1 the exchange
     (each warp stores its own partial), 2 the barriers' memory ordering, 3 the routing
@@ -384,22 +390,37 @@ def router_kernel(
         else:
             wr.append(ld_w4(row0 + s * 64))
             wr.append(ld_w4(row8 + s * 64))
+
+    # The fp32 weight as MMA A fragments, three bf16 pieces each: (step, half) -> four
+    # registers' (hi, mid, lo). (Split before the wait, ptxas moves it after: the SASS.)
+    def split(s, u):
+        r0 = wr[2 * s]
+        r8 = wr[2 * s + 1]
+        return (pieces(r0[4 * u], r0[4 * u + 1]), pieces(r8[4 * u], r8[4 * u + 1]),
+                pieces(r0[4 * u + 2], r0[4 * u + 3]),
+                pieces(r8[4 * u + 2], r8[4 * u + 3]))  # fmt: skip
+
     if cutlass.const_expr(pdl):
         cute.arch.griddepcontrol_wait()
     zero = Float32(0.0)
     acc = [[zero, zero, zero, zero] for _ in range(n_tiles * chains)]
+    x_rows = [x + (Int64(cutlass.min(j * 8 + g, tokens - 1)) * hidden + k0) * 2
+              for j in range(n_tiles)]  # fmt: skip
+    # Activations `ahead` steps ahead of the MMAs (all of them for few tokens): one L2 round
+    # trip after the wait, not one a step.
+    ahead = steps if cutlass.const_expr(n_tiles * steps <= X_AHEAD_LOADS) else 1
+    xs = [[ld_x4(x_rows[j] + s * 64) for j in range(n_tiles)] for s in range(ahead)]
     for s in cutlass.range_constexpr(steps):
+        if cutlass.const_expr(s + ahead < steps):
+            xs.append([ld_x4(x_rows[j] + (s + ahead) * 64) for j in range(n_tiles)])
+        frags = [split(s, u) for u in range(2)] if cutlass.const_expr(fp32_weight) else []
         for j in cutlass.range_constexpr(n_tiles):
-            tok = cutlass.min(j * 8 + g, tokens - 1)
-            xv = ld_x4(x + (Int64(tok) * hidden + k0 + s * 32) * 2)
+            xv = xs[s][j]
             for u in cutlass.range_constexpr(2):
                 r0 = wr[2 * s]
                 r8 = wr[2 * s + 1]
                 if cutlass.const_expr(fp32_weight):
-                    a0 = pieces(r0[4 * u], r0[4 * u + 1])
-                    a1 = pieces(r8[4 * u], r8[4 * u + 1])
-                    a2 = pieces(r0[4 * u + 2], r0[4 * u + 3])
-                    a3 = pieces(r8[4 * u + 2], r8[4 * u + 3])
+                    a0, a1, a2, a3 = frags[u]
                     for p in cutlass.range_constexpr(3):
                         # hi apart from mid + lo (2 chains), and the two K halves (4)
                         ch = (0 if p == 0 or chains == 1 else 1) + (2 * u if chains == 4 else 0)
@@ -434,6 +455,9 @@ def router_kernel(
                 st_shared(part + ((warp * cols + tok) * 16 + e) * 4, v[i])
     if cutlass.const_expr(probe == 1):
         return
+    if cutlass.const_expr(route):  # noqa: SIM102 (a static if around a dynamic one)
+        if tid == 0:
+            st_shared_s32(flag, 0)  # before the barrier: the last CTA may set it after
     cluster_sync(relaxed)
     # This CTA's share of the tile's [cols x 16] outputs: the sum over the cluster's CTAs
     # and their warps, in that order.
@@ -448,24 +472,22 @@ def router_kernel(
         if tok < tokens:
             st_f32(logits + (Int64(tok) * experts + tile * 16 + at % 16) * 4, total)
     if cutlass.const_expr(route):
+        # Each CTA counts its arrival once its logits are out; the last of the launch sees
+        # every logit, and flags its cluster (waiting at the barrier below) to route.
         fence_gpu()
-    cluster_sync(relaxed)
-    if cutlass.const_expr(route):
-        # The last cluster to arrive sees every cluster's logits and routes.
-        if rank == 0 and tid == 0:
-            last = Int32(0)
-            if arrive(counter) == experts // 16 - 1:
-                last = Int32(1)
+        cute.arch.sync_threads()
+        if tid == 0:  # noqa: SIM102 (the arrival only in thread 0)
+            if arrive(counter) == experts // 16 * cluster - 1:
                 reset(counter)
-            for q in cutlass.range_constexpr(cluster):
-                st_peer_s32(flag, q, last)
-        cluster_sync(relaxed)
-        if cutlass.const_expr(probe != 3):  # noqa: SIM102 (a static if around a dynamic one)
-            if ld_shared_s32(flag) != 0:
-                fence_gpu()
-                for t in cutlass.range(rank * warps + warp, tokens, cluster * warps):
-                    route_token(logits, bias, weights, ids, t, lane, experts, n_group,
-                                topk_group, top_k, renorm)  # fmt: skip
+                for q in cutlass.range_constexpr(cluster):
+                    st_peer_s32(flag, q, 1)
+    cluster_sync(relaxed)
+    if cutlass.const_expr(route and probe != 3):  # noqa: SIM102 (static around dynamic)
+        if ld_shared_s32(flag) != 0:
+            fence_gpu()
+            for t in cutlass.range(rank * warps + warp, tokens, cluster * warps):
+                route_token(logits, bias, weights, ids, t, lane, experts, n_group,
+                            topk_group, top_k, renorm)  # fmt: skip
 
 
 @cute.jit

@@ -208,19 +208,24 @@ def test_gpu_routing_with_exact_ties():
 
 
 @gpu
-def test_gpu_cuda_graph_replay():
+@pytest.mark.parametrize("tokens", [8, 24])
+def test_gpu_cuda_graph_replay(tokens):
+    # 24 tokens: a token tile count first compiled while capturing (as vLLM's capture of
+    # batch sizes its warm-up did not run).
     x, w, bias = make_router(8, 5120, 256, torch.float32, "cuda", seed=5)
-    rc.routed_topk(x, w, bias, *BEAM, True)  # compiles, allocates the counter
-    static = x.clone()
+    rc.routed_topk(x, w, bias, *BEAM, True)  # allocates the counter
+    static, _, _ = make_router(tokens, 5120, 256, torch.float32, "cuda", seed=6)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = rc.routed_topk(static, w, bias, *BEAM, True)
+        logits = rc.router_gemm(static, w)
     for seed in range(3):
-        fresh, _, _ = make_router(8, 5120, 256, torch.float32, "cuda", seed=100 + seed)
+        fresh, _, _ = make_router(tokens, 5120, 256, torch.float32, "cuda", seed=100 + seed)
         static.copy_(fresh)
         graph.replay()
         eager = rc.routed_topk(fresh, w, bias, *BEAM, True)
         assert torch.equal(out[1], eager[1]) and torch.equal(out[0], eager[0])
+        assert torch.equal(logits, rc.router_gemm(fresh, w))
     assert rc._counter(x.device).item() == 0
 
 
