@@ -30,6 +30,15 @@ PDL = (
     and torch.cuda.get_device_capability()[0] >= 9
 )
 
+
+def before_wait(*tensors: torch.Tensor | None) -> tuple[list, bool]:
+    """The operands a PDL-launched kernel reads before `griddepcontrol.wait` (weights), made
+    contiguous, and whether any had to be copied: a copy is written by a kernel launched
+    just now, which the PDL kernel may overlap, so such a call must launch without PDL."""
+    out = [t if t is None or t.is_contiguous() else t.contiguous() for t in tensors]
+    return out, any(o is not t for o, t in zip(out, tensors))
+
+
 if triton is not None:
     if INTERPRET:
         # The interpreter truncates fp32 -> bf16, multiplies bf16 tiles as their raw bits

@@ -296,3 +296,13 @@ def test_provider_report_says_what_ran_and_why_faster_ones_declined():
         assert ir.provider_report(reset=True)["rms_norm"]["declined"] == {"picky": "needs a GPU"}
     finally:
         opdef.providers = saved
+
+
+def test_before_wait_copies_only_strided_operands():
+    from beamfx.kernels.triton_common import before_wait
+
+    flat, strided = torch.ones(8), torch.ones(8, 2)[:, 0]
+    (a, b, c), copied = before_wait(flat, None, flat)
+    assert a is flat and b is None and c is flat and not copied
+    (a, b), copied = before_wait(flat, strided)
+    assert a is flat and b.is_contiguous() and torch.equal(b, strided) and copied

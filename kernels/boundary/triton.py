@@ -15,7 +15,7 @@ import torch
 from beamfx.kernels.boundary import reference
 from beamfx.kernels.triton_common import INTERPRET as _INTERPRET
 from beamfx.kernels.triton_common import PDL as _PDL
-from beamfx.kernels.triton_common import tl, triton
+from beamfx.kernels.triton_common import before_wait, tl, triton
 from beamfx.ops import Provider
 
 # Widest row the kernel holds in registers (one program per row).
@@ -313,8 +313,7 @@ def boundary_into(
         return
     x = x.contiguous()
     residual = residual.contiguous()
-    w_post = w_post.contiguous()
-    w_next = w_next.contiguous() if w_next is not None else None
+    (w_post, w_next), copied = before_wait(w_post, w_next)
     topk = 0
     if topk_weights is not None:
         topk = topk_weights.shape[-1]
@@ -323,7 +322,7 @@ def boundary_into(
     num_warps = num_warps or default_warps
     programs = min(n_rows, programs or default_programs)
     block_a, block_b = row_tiles(hidden, default_split if split is None else split)
-    pdl = (PDL if pdl is None else pdl) and _PDL and x.device.type == "cuda"
+    pdl = (PDL if pdl is None else pdl) and _PDL and x.device.type == "cuda" and not copied
     _boundary_kernel[(programs,)](
         x,
         topk_weights if topk_weights is not None else x,

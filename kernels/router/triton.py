@@ -21,6 +21,7 @@ bmm has no fp32 output for bf16 inputs, cuBLAS in fp32 (`F.linear(x.float(), w)`
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ import torch
 from beamfx.kernels.router import reference
 from beamfx.kernels.triton_common import INTERPRET as _INTERPRET
 from beamfx.kernels.triton_common import PDL as _PDL
-from beamfx.kernels.triton_common import tl, triton
+from beamfx.kernels.triton_common import before_wait, tl, triton
 from beamfx.ops import Provider
 
 # Token counts up to this run the Triton GEMM; above, cuBLAS (measured crossover on an
@@ -927,11 +928,13 @@ def _launch_gemv(x2d, weight, logits, route, config: GemvConfig) -> None:
     )
 
 
-def _launch_route(logits, bias, weights, ids, top_k, n_group, topk_group, renormalize) -> None:
-    """Route `logits` [tokens, experts], or the sum of the partials of `_split_layout`."""
+def _launch_route(logits, bias, weights, ids, top_k, n_group, topk_group, renormalize, *,
+                  pdl: bool = True) -> None:  # fmt: skip
+    """Route `logits` [tokens, experts], or the sum of the partials of `_split_layout`.
+    `pdl=False`: `bias` was copied just now (it is read before the wait)."""
     n_tokens, n_experts = ids.shape[0], bias.shape[0]
     splits, row_stride, split_stride, pieces = _split_layout(logits, n_experts)
-    pdl = ROUTE_PDL and _PDL and logits.device.type == "cuda"
+    pdl = pdl and ROUTE_PDL and _PDL and logits.device.type == "cuda"
     _route_kernel[(triton.cdiv(n_tokens, ROUTE_ROWS),)](
         logits,
         bias,
@@ -976,15 +979,23 @@ def router_gemm(
         return reference.router_logits(x, weight)
     logits = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32, device=x.device)
     x2d = x.reshape(n_tokens, hidden).contiguous()
+    (weight,), copied = before_wait(weight)
+    config = _without_pdl(config) if copied else config
     if isinstance(config, (SplitConfig, PiecesConfig)):
         launch = _launch_split if isinstance(config, SplitConfig) else _launch_pieces
-        part, n_splits = launch(x2d, weight.contiguous(), config)
+        part, n_splits = launch(x2d, weight, config)
         if n_splits == 1:  # one piece (a bf16 weight), one chunk: the logits themselves
             return part.view(logits.shape)
         _sum_splits(part, logits.view(n_tokens, -1))
     else:
-        _launch_gemm(x2d, weight.contiguous(), logits, None, config)
+        _launch_gemm(x2d, weight, logits, None, config)
     return logits
+
+
+def _without_pdl(config):
+    """The config launching without programmatic dependent launch (its weight was copied
+    just now: `triton_common.before_wait`)."""
+    return dataclasses.replace(config, pdl=False) if hasattr(config, "pdl") else config
 
 
 def routed_topk(
@@ -1012,22 +1023,26 @@ def routed_topk(
     ids = torch.empty((n_tokens, top_k), dtype=torch.int32, device=x.device)
     if n_tokens == 0:
         return weights, ids
-    bias = correction_bias.contiguous()
+    (bias,), bias_copied = before_wait(correction_bias)  # the routing reads it first
     fused = FUSED_ROUTING if fused is None else fused
     config = config or _default_config(n_tokens)
+    route_args = (bias, weights, ids, top_k, n_group, topk_group, renormalize)
     if isinstance(config, (SplitConfig, PiecesConfig)):
         # The routing kernel adds the K splits (or the weight's pieces): the logits never
         # exist whole.
+        (weight,), copied = before_wait(weight)
+        config = _without_pdl(config) if copied else config
         launch = _launch_split if isinstance(config, SplitConfig) else _launch_pieces
-        part, _ = launch(x2d.contiguous(), weight.contiguous(), config)
-        _launch_route(part, bias, weights, ids, top_k, n_group, topk_group, renormalize)
+        part, _ = launch(x2d.contiguous(), weight, config)
+        _launch_route(part, *route_args, pdl=not bias_copied)
     elif fused and config is not None:
         logits = torch.empty((n_tokens, n_experts), dtype=torch.float32, device=x.device)
-        route = (bias, weights, ids, top_k, n_group, topk_group, renormalize)
-        _launch_gemm(x2d.contiguous(), weight.contiguous(), logits, route, config)
+        (weight,), copied = before_wait(weight)
+        config = _without_pdl(config) if copied or bias_copied else config
+        _launch_gemm(x2d.contiguous(), weight, logits, route_args, config)
     else:
         logits = router_gemm(x2d, weight, config=config)
-        _launch_route(logits, bias, weights, ids, top_k, n_group, topk_group, renormalize)
+        _launch_route(logits, *route_args, pdl=not bias_copied)
     return weights, ids
 
 

@@ -250,6 +250,19 @@ def test_gpu_programmatic_dependent_launch(tokens, topk):
 
 
 @gpu
+def test_gpu_noncontiguous_norm_weights():
+    # Strided weights are copied per call; the copy is a kernel launched just before, so
+    # that launch must go without PDL (the kernel reads its weights before the wait).
+    args = list(make_inputs(64, 5120, 0, torch.bfloat16, "cuda", seed=11))
+    args[2] = torch.stack([args[2], torch.zeros_like(args[2])], 1)[:, 0]  # stride 2
+    args[3] = torch.stack([args[3], torch.zeros_like(args[3])], 1)[:, 0]
+    assert not args[2].is_contiguous()
+    for _ in range(3):
+        h, y = run_into(tuple(args), pdl=True)
+        check_against_reference(tuple(args), h, y)
+
+
+@gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_gpu_other_dtypes(dtype):
     args = make_inputs(65, 5120, 0, dtype, "cuda", seed=3)

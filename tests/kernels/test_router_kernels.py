@@ -473,6 +473,22 @@ def test_gpu_pieces_gemm(weight_dtype, hidden, experts, tokens, k_chunks):
 
 
 @gpu
+@pytest.mark.parametrize("tokens", [1, 16, 512])
+def test_gpu_noncontiguous_weight_and_bias(tokens):
+    # A strided weight or bias is copied per call: that launch goes without PDL (the
+    # kernels read them before the wait), and the results stay the contract's.
+    x, w, bias = make_router(tokens, 5120, 256, torch.float32, "cuda", seed=tokens)
+    w_t = w.t().contiguous().t()  # the same values, column-major
+    bias_s = torch.stack([bias, bias], 1)[:, 0]
+    assert not w_t.is_contiguous() and not bias_s.is_contiguous()
+    check_logits(rt.router_gemm(x, w_t), x, w)
+    weights, ids = rt.routed_topk(x, w_t, bias_s, *BEAM_ROUTING.values(), True)
+    _, ref_ids = reference.routed_topk(x, w, bias, *BEAM_ROUTING.values(), True)
+    check_routing(weights, ids, x.double() @ w.double().T, bias, *BEAM_ROUTING.values(), True,
+                  ref_ids)  # fmt: skip
+
+
+@gpu
 @pytest.mark.parametrize("tokens", [4, 64, 512])
 def test_gpu_gemm_is_repeatable(tokens):
     # The last program of a tile sums the split partials in a fixed order: bitwise the same
