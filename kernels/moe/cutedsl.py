@@ -34,6 +34,7 @@ recompile. `BEAMFX_CUTEDSL=0` turns the provider off.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 from dataclasses import dataclass
 
@@ -55,13 +56,17 @@ GROUP = 8  # pairs a block: the MMA's N
 
 
 @functools.cache
-def _cute():
-    """(the kernels module, None), or (None, why CuTeDSL does not import)."""
+def import_kernels(module: str):
+    """(the CuTeDSL kernels module `beamfx.kernels.<module>`, None), or (None, why CuTeDSL
+    does not import)."""
     try:
-        from beamfx.kernels.moe import cutedsl_kernels
+        return importlib.import_module(f"beamfx.kernels.{module}"), None
     except Exception as err:  # ImportError, or a CUDA setup error on import
         return None, f"CuTeDSL (nvidia-cutlass-dsl) does not import: {err}"
-    return cutedsl_kernels, None
+
+
+def _cute():
+    return import_kernels("moe.cutedsl_kernels")
 
 
 def why_not_device(device: torch.device) -> str | None:

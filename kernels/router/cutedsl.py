@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -44,16 +43,11 @@ LOGITS_MIN_TOKENS = 8
 ROUTED_MIN_TOKENS = 8
 ROUTED_MAX_TOKENS = 32
 MAX_STEPS = 8  # 32-wide K steps a warp holds in flight (registers)
-PDL = os.environ.get("BEAMFX_PDL", "1") != "0"
+PDL = moe_cutedsl.PDL
 
 
-@functools.cache
 def _cute():
-    try:
-        from beamfx.kernels.router import cutedsl_kernels
-    except Exception as err:  # ImportError, or a CUDA setup error on import
-        return None, f"CuTeDSL (nvidia-cutlass-dsl) does not import: {err}"
-    return cutedsl_kernels, None
+    return moe_cutedsl.import_kernels("router.cutedsl_kernels")
 
 
 @dataclass(frozen=True)
@@ -143,21 +137,14 @@ def why_not_routing(experts: int, top_k: int, n_group: int, topk_group: int) -> 
     return None
 
 
-def _stream():
-    from cuda.bindings import driver
-
-    return driver.CUstream(torch.cuda.current_stream().cuda_stream)
-
-
 @functools.cache
 def compiled(hidden, experts, n_tiles, cfg: Config, fp32_weight, route, n_group, topk_group,
              top_k, renorm):  # fmt: skip
     k = _cute()[0]
-    from cuda.bindings import driver
-
     z64 = k.Int64(0)
+    stream = moe_cutedsl._stream_type()(0)
     return k.cute.compile(
-        k.router_host, *[z64] * 7, k.Int32(1), driver.CUstream(0), hidden, experts, n_tiles,
+        k.router_host, *[z64] * 7, k.Int32(1), stream, hidden, experts, n_tiles,
         cfg.warps, cfg.cluster, fp32_weight, cfg.chains, cfg.pdl, route, n_group, topk_group,
         top_k, renorm, cfg.probe,
     )  # fmt: skip
@@ -207,7 +194,7 @@ def _launch(x2d, weight, logits, route=None, config: Config | None = None):
                 _counter(x2d.device).data_ptr()]  # fmt: skip
         static = (True, n_group, topk_group, top_k, bool(renorm))
     run = compiled(hidden, experts, n_tiles, cfg, fp32, *static)
-    run(x2d.data_ptr(), weight.data_ptr(), logits.data_ptr(), *ptrs, tokens, _stream())
+    run(x2d.data_ptr(), weight.data_ptr(), logits.data_ptr(), *ptrs, tokens, moe_cutedsl._stream())
 
 
 def router_gemm(x: torch.Tensor, weight: torch.Tensor, *, config: Config | None = None):
@@ -255,6 +242,5 @@ def supports_routed_topk(x, weight, correction_bias, top_k, n_group, topk_group,
     return why_not_routing(experts, top_k, n_group, topk_group)
 
 
-LAUNCHES = 1
 ROUTER_GEMM = Provider("cutedsl", router_gemm, supports_router_gemm)
 ROUTED_TOPK = Provider("cutedsl", routed_topk, supports_routed_topk)

@@ -8,7 +8,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.cutlass_dsl import dsl_user_op
 
-from beamfx.kernels.moe.cutedsl_kernels import _asm, mma
+from beamfx.kernels.moe.cutedsl_kernels import _asm, ld_v4_early, mma
 from beamfx.kernels.router.cutedsl import sort_network
 
 MASKED = -(2**31)  # the key of a masked or taken expert: below every float's key
@@ -16,16 +16,6 @@ X_AHEAD_LOADS = 16  # activation loads (16 bytes) a lane issues at once after th
 
 
 # --- loads, stores, the weight's pieces -------------------------------------------------------
-
-
-@dsl_user_op
-def ld_w4(addr, *, loc=None, ip=None):
-    """16 bytes of the weight, streamed (no L1 allocation). Volatile, so that the compiler
-    keeps it where it is written: ahead of the wait for the previous launch."""
-    return _asm(
-        [Int32] * 4, [Int64(addr)], "ld.global.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];",
-        "=r,=r,=r,=r,l", True, loc, ip,
-    )  # fmt: skip
 
 
 @dsl_user_op
@@ -385,11 +375,11 @@ def router_kernel(
     wr = []
     for s in cutlass.range_constexpr(steps):
         if cutlass.const_expr(fp32_weight):
-            wr.append(ld_w4(row0 + s * 128) + ld_w4(row0 + s * 128 + 16))
-            wr.append(ld_w4(row8 + s * 128) + ld_w4(row8 + s * 128 + 16))
+            wr.append(ld_v4_early(row0 + s * 128) + ld_v4_early(row0 + s * 128 + 16))
+            wr.append(ld_v4_early(row8 + s * 128) + ld_v4_early(row8 + s * 128 + 16))
         else:
-            wr.append(ld_w4(row0 + s * 64))
-            wr.append(ld_w4(row8 + s * 64))
+            wr.append(ld_v4_early(row0 + s * 64))
+            wr.append(ld_v4_early(row8 + s * 64))
 
     # The fp32 weight as MMA A fragments, three bf16 pieces each: (step, half) -> four
     # registers' (hi, mid, lo). (Split before the wait, ptxas moves it after: the SASS.)
