@@ -8,6 +8,8 @@ rows folded in) at 1, 64, 1024, 4096 tokens. Each row: CUDA-graph replay median 
 boundary; the copy-bandwidth floor (bytes read once + written once over the copy bandwidth
 measured in this run); kernel launches per boundary (torch.profiler: device kernels and
 memsets of one eager call); the drift from the contract (h, y: % bitwise equal, max diff).
+A last row per plain token count times `torch.cat` of x and r: the same bytes moved by a
+copy kernel at this size, what the fused op's "% of floor" can be held against.
 Inputs rotate over several sets so that large calls are not served from L2.
 
     python tools/bench_boundary.py [--out DIR] [--sweep] [--quick]
@@ -65,6 +67,14 @@ def fused_no_pdl(x, r, wp, wn, ep, en, xs, rs, g, tw, scale):
     h, y = torch.empty_like(r), torch.empty_like(r)
     tk.boundary_into(h, y, x, r, wp, wn, ep, en, xs, rs, tw, scale, pdl=False)
     return h, y
+
+
+COPY_ROW = "copy of the same bytes (torch.cat of x, r)"
+
+
+def copy_same_bytes(x, r, *rest):
+    """x and r read once, as many bytes written: the boundary's traffic without its math."""
+    return torch.cat([x, r])
 
 
 def variants(compiled) -> dict:
@@ -145,6 +155,15 @@ def main() -> None:
                         y_max_abs=drift(y, want_y)[1],
                     )
                 )
+                print(rows[-1], flush=True)
+            if topk == 0:  # what plain data movement of the same bytes gets at this size
+                us = time_per_call(copy_same_bytes, sets)
+                rows.append(dict(boundary="plain", tokens=tokens, variant=COPY_ROW,
+                                 us=round(us, 2), floor_us=round(floor, 2),
+                                 pct_floor=round(100 * floor / us, 1),
+                                 launches=count_launches(copy_same_bytes, sets[0]),
+                                 h_equal_pct="-", h_max_abs="-", y_equal_pct="-",
+                                 y_max_abs="-"))  # fmt: skip
                 print(rows[-1], flush=True)
             if args.sweep and topk == 0 and tokens in SWEEP_TOKENS:
                 sweeps += sweep_boundary(tokens, sets, bw, topk)
