@@ -173,6 +173,13 @@ CUTEDSL_SWEEP = [
 ]  # fmt: skip
 
 
+# Activations staged in shared memory (`stage`), with the chunks in flight, on the default
+# config (the default stages; unstaged second and again last, for run-to-run drift)
+STAGE_SWEEP = [{}, dict(stage=False), dict(stage=True), dict(stage=True, depth1=2),
+               dict(stage=True, depth2=2), dict(stage=True, warps1=8),
+               dict(stage=False)]  # fmt: skip
+
+
 def variants(q: nvfp4.NVFP4Experts, w13b: torch.Tensor, w2b: torch.Tensor) -> dict:
     """The implementations compared, each `fn(x, ids, weights)` -> [T, H] bf16."""
     scales = (q.w13_scale, q.w13_global, q.w2_scale, q.w2_global)
@@ -266,7 +273,11 @@ def bench_shape(
                   f"{2 * row['floor_nvfp4_us'] / 3:.1f}), FC2 {row['nvfp4_fma_fc2_us']:.1f} us "
                   f"(floor {row['floor_nvfp4_us'] / 3:.1f})", flush=True)  # fmt: skip
         if cutedsl_sweep and "nvfp4_cutedsl" in names:
-            for cfg in CUTEDSL_SWEEP:
+            base = cd.pick_config(tokens * TOP_K, HIDDEN, inter, TOP_K)
+            cfgs = CUTEDSL_SWEEP if cutedsl_sweep == "configs" else [
+                replace(base, **c) for c in STAGE_SWEEP
+            ] if not base.grouped else []  # fmt: skip
+            for cfg in cfgs:
                 fn = functools.partial(fns["cutedsl_config"], c=cfg)
                 err, us = measure(fn, sets, want)
                 sweeps.append(dict(shape=shape, tokens=tokens, cutedsl=cfg.__dict__, us=us,
@@ -321,6 +332,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="*", help="token counts (default: all)")
     ap.add_argument("--fma-sweep", action="store_true", help="sweep the NVFP4 FMA kernel tiles")
     ap.add_argument("--cutedsl-sweep", action="store_true", help="sweep the CuTeDSL configs")
+    ap.add_argument(
+        "--stage-sweep",
+        action="store_true",
+        help="sweep staging activations in shared memory (CuTeDSL, per pair)",
+    )
     ap.add_argument("--shapes", nargs="*", choices=list(SHAPES), help="shapes (default: all)")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -336,7 +352,7 @@ def main() -> None:
             sweep = "nvfp4" if args.sweep_nvfp4_only else args.sweep
             rows += bench_shape(
                 shape, inter, tokens, gen, bw, mm, sweep, sweeps, args.fma_sweep,
-                args.cutedsl_sweep,
+                "configs" if args.cutedsl_sweep else "stage" if args.stage_sweep else None,
             )  # fmt: skip
             torch.cuda.empty_cache()
     meta = dict(
@@ -354,6 +370,10 @@ def main() -> None:
         shape=dict(hidden=HIDDEN, experts=EXPERTS, top_k=TOP_K, moe_intermediate=SHAPES),
     )
     os.makedirs(args.out, exist_ok=True)
+    if args.stage_sweep:
+        with open(os.path.join(args.out, "moe_stage_sweep.json"), "w") as f:
+            json.dump(dict(meta=meta, rows=rows, sweep=sweeps), f, indent=1)
+        return
     with open(os.path.join(args.out, "moe.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows, sweep=sweeps), f, indent=1)
     table = markdown(meta, rows)

@@ -22,8 +22,11 @@ weights are read once for all its tokens; FC2 writes the pairs' bf16 rows and th
 finalize kernel combines them.
 
 About 100 instructions a lane per 32 codes in FC1's loop (SASS for sm_90a): ~3 per code,
-against ~5.5 in the Triton FMA kernels. Programmatic dependent launch (FC2 loads its first
-weights before waiting for FC1) where FC2's whole K fits those loads.
+against ~5.5 in the Triton FMA kernels. Each warp first copies its slice of the activations
+into shared memory (`Config.stage`): read from global memory, ptxas places each 8-byte
+activation load just before its MMA, one L2 round trip a tile. Programmatic dependent
+launch (FC2 loads its first weights before waiting for FC1) where FC2's whole K fits those
+loads.
 
 Needs `nvidia-cutlass-dsl` (the `gpu` extra) and compute capability 9.x (sm_90a PTX:
 `mul.rn.bf16x2`). Kernels are compiled once per static configuration (top-k, warps,
@@ -53,6 +56,7 @@ GROUP_MIN_INTER = 1024  # narrower experts (one TP8 rank: 192) lose more to the 
 GROUP_MIN_PAIRS_NARROW = 512  # ... up to this many pairs
 PDL = os.environ.get("BEAMFX_PDL", "1") != "0"
 GROUP = 8  # pairs a block: the MMA's N
+STAGE_BYTES = 32 << 10  # most shared memory a CTA takes to stage activations (`Config.stage`)
 
 
 @functools.cache
@@ -98,6 +102,8 @@ class Config:
     grouped: bool = False
     # programmatic dependent launch: FC2 loads its first weights while FC1 finishes
     pdl: bool = False
+    # each warp stages its activations in shared memory first (per pair only)
+    stage: bool = False
 
 
 FEW_CTAS = 512  # FC1 below this many CTAs (one TP8 rank at a token: 192) splits K 8 ways
@@ -112,28 +118,41 @@ def pick_config(pairs: int, hidden: int, inter: int, top_k: int) -> Config:
     pdl = PDL and inter <= 64 * Config.depth2
     if pairs >= (GROUP_MIN_PAIRS if inter >= GROUP_MIN_INTER else GROUP_MIN_PAIRS_NARROW):
         return Config(warps1=4, depth1=2, warps2=2, depth2=2, grouped=True, pdl=pdl)
-    warps1 = 8 if pairs * (inter // 8) < FEW_CTAS else 4
-    return Config(warps1=warps1, warps2=min(8, top_k), pdl=pdl)
+    few = pairs * (inter // 8) < FEW_CTAS
+    return Config(warps1=8 if few else 4, depth1=2 if few else 4, warps2=min(8, top_k),
+                  pdl=pdl, stage=True)  # fmt: skip
+
+
+def stage_chunks(cfg: Config, hidden: int, inter: int) -> tuple[int, int]:
+    """Chunks of 64 K a warp stages in shared memory (`Config.stage`): FC1's warps split
+    hidden, an FC2 warp takes all of inter. 0 where staging is off or the CTA's buffers would
+    pass STAGE_BYTES (the kernels then read activations from global memory)."""
+    if not cfg.stage:
+        return 0, 0
+    fc1 = -(-(hidden // 64) // cfg.warps1)
+    fc2 = inter // 64
+    fits = lambda warps, chunks: warps * chunks * 128 <= STAGE_BYTES  # noqa: E731
+    return (fc1 if fits(cfg.warps1, fc1) else 0), (fc2 if fits(cfg.warps2, fc2) else 0)
 
 
 @functools.cache
-def compiled_fc1(topk: int, warps: int, depth: int, pdl: bool):
+def compiled_fc1(topk: int, warps: int, depth: int, pdl: bool, stage: int):
     k = _cute()[0]
     z64, z32 = k.Int64(0), k.Int32(1)
     stream = _stream_type()(0)
     return k.cute.compile(
-        k.fc1_host, z64, z64, z64, z64, z64, z64, z32, z32, z32, stream, topk, warps, depth, pdl
+        k.fc1_host, *[z64] * 6, z32, z32, z32, stream, topk, warps, depth, pdl, stage
     )
 
 
 @functools.cache
-def compiled_fc2(topk: int, warps: int, combine: bool, depth: int, pdl: bool):
+def compiled_fc2(topk: int, warps: int, combine: bool, depth: int, pdl: bool, stage: int):
     k = _cute()[0]
     z64, z32 = k.Int64(0), k.Int32(1)
     stream = _stream_type()(0)
     return k.cute.compile(
         k.fc2_host, z64, z64, z64, z64, z64, z64, z64, k.Float32(1.0), z32, z32, z32,
-        stream, topk, warps, combine, depth, pdl,
+        stream, topk, warps, combine, depth, pdl, stage,
     )  # fmt: skip
 
 
@@ -183,11 +202,12 @@ def experts(x, ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_we
     h = torch.empty(t * k, inter, device=x.device, dtype=torch.bfloat16)
     combine = topk_weights is not None
     stream = _stream()
+    stage1, stage2 = stage_chunks(cfg, hidden, inter)
     if cfg.grouped:
         return _grouped(x, flat, t, k, h, fc1, fc2, g13, g2, topk_weights, routed_scale, cfg,
                         w13.shape[0], stream)  # fmt: skip
     if t:
-        compiled_fc1(k, cfg.warps1, cfg.depth1, cfg.pdl)(
+        compiled_fc1(k, cfg.warps1, cfg.depth1, cfg.pdl, stage1)(
             x.data_ptr(), flat.data_ptr(), fc1.codes.data_ptr(), fc1.scales.data_ptr(),
             g13.data_ptr(), h.data_ptr(), t * k, hidden, inter, stream,
         )  # fmt: skip
@@ -198,7 +218,7 @@ def experts(x, ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_we
         out = torch.empty(t, k, hidden, device=x.device, dtype=torch.bfloat16)
         weights = g2
     if t:
-        compiled_fc2(k, cfg.warps2, combine, cfg.depth2, cfg.pdl)(
+        compiled_fc2(k, cfg.warps2, combine, cfg.depth2, cfg.pdl, stage2)(
             h.data_ptr(), flat.data_ptr(), fc2.codes.data_ptr(), fc2.scales.data_ptr(),
             g2.data_ptr(), weights.data_ptr(), out.data_ptr(), float(routed_scale), t,
             hidden, inter, stream,

@@ -85,6 +85,20 @@ def ld_act(addr, offset=0, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def st_shared_v4(addr, v, *, loc=None, ip=None):
+    _asm([], [Int32(addr), *v], "st.shared.v4.u32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r", True,
+         loc, ip)  # fmt: skip
+
+
+@dsl_user_op
+def ld_shared_v2(addr, offset=0, *, loc=None, ip=None):
+    return _asm(
+        [Int32] * 2, [Int32(addr)], f"ld.shared.v2.u32 {{$0, $1}}, [$2+{offset}];", "=r,=r,r",
+        True, loc, ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
 def ld_s32(addr, *, loc=None, ip=None):
     return _asm([Int32], [Int64(addr)], "ld.global.nc.s32 $0, [$1];", "=r,l", False, loc, ip)[0]
 
@@ -208,28 +222,51 @@ def load_chunks(w_at, s_at, first, last, depth: cutlass.Constexpr, early: cutlas
 
 
 @cute.jit
+def stage_row(x_at, sbuf, lane, c_begin, c_end, pdl: cutlass.Constexpr):
+    """Copy this warp's activations of chunks [c_begin, c_end) (128 bytes each) into its
+    shared-memory buffer at `sbuf`: 16 bytes a lane at a time, all loads independent, so
+    the slice costs one round trip to L2 instead of one per MMA tile."""
+    cute.arch.sync_warp()  # the warp's previous reads of the buffer are done
+    src = x_at + Int64(c_begin * 128)
+    for off in cutlass.range(lane * 16, (c_end - c_begin) * 128, 512):
+        v = ld_v4_early(src + Int64(off)) if cutlass.const_expr(pdl) else ld_v4(src + Int64(off))
+        st_shared_v4(sbuf + off, v)
+    cute.arch.sync_warp()
+
+
+@cute.jit
 def dot_rows(
     w_at, s_at, x_at, lane_c, c_begin, c_end, depth: cutlass.Constexpr, wait: cutlass.Constexpr,
-    pdl: cutlass.Constexpr,
+    pdl: cutlass.Constexpr, sbuf=None, lane=None,
 ):  # fmt: skip
     """Sum over chunks [c_begin, c_end) of a 16-row tile times one activation row:
     (row g, row g + 8) of this lane, fp32, the scales' 2^-16 left in. `depth` chunks a
     step are in flight while the previous step's are multiplied. With `wait`, the first
     step's weights load before the wait for the previous launch (programmatic dependent
     launch), which wrote the activations. `pdl`: the kernel waits (here or before), so the
-    activations load coherently (`ld_act`); else through the non-coherent path."""
+    activations load coherently (`ld_act`); else through the non-coherent path.
+    `sbuf` (a shared-memory address, with `lane`): the activations are first staged there
+    (`stage_row`) and each MMA tile reads them from shared memory; else from global memory,
+    where ptxas places each load just before its MMA (one L2 round trip a tile)."""
     acc = (Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0))
     last = c_end - 1
     w, s = load_chunks(w_at, s_at, c_begin, last, depth, wait)
     if cutlass.const_expr(wait):
         cute.arch.griddepcontrol_wait()
+    if cutlass.const_expr(sbuf is not None):
+        stage_row(x_at, sbuf, lane, c_begin, c_end, pdl)
     for base in cutlass.range(c_begin, c_end, depth):
         w_n, s_n = load_chunks(w_at, s_at, base + depth, last, depth, False)
         for d in cutlass.range_constexpr(depth):
             if base + d < c_end:
                 x_ch = x_at + Int64((base + d) * 128 + lane_c * 8)
                 for i in cutlass.range_constexpr(4):
-                    xb = ld_act(x_ch, i * 32) if cutlass.const_expr(pdl) else ld_v2(x_ch, i * 32)
+                    if cutlass.const_expr(sbuf is not None):
+                        xb = ld_shared_v2(sbuf + (base + d - c_begin) * 128 + lane_c * 8, i * 32)
+                    elif cutlass.const_expr(pdl):
+                        xb = ld_act(x_ch, i * 32)
+                    else:
+                        xb = ld_v2(x_ch, i * 32)
                     sw = s[2 * d + i // 2]
                     a = decode_tile(
                         w[4 * d + i],
@@ -246,10 +283,15 @@ def dot_rows(
 def fc1_kernel(
     x: Int64, ids: Int64, codes: Int64, scales: Int64, g13: Int64, h: Int64,
     hidden: Int32, inter: Int32, topk: cutlass.Constexpr, warps: cutlass.Constexpr,
-    depth: cutlass.Constexpr, pdl: cutlass.Constexpr,
+    depth: cutlass.Constexpr, pdl: cutlass.Constexpr, stage: cutlass.Constexpr,
 ):  # fmt: skip
+    """`stage`: chunks of K a warp stages in shared memory (0: none; see `dot_rows`)."""
     pair, rt, _ = cute.arch.block_idx()
     tid, warp, lane, g, lc = thread_coords()
+    sbuf = None
+    if cutlass.const_expr(stage > 0):
+        sbuf = cute.arch.alloc_smem(Int32, warps * stage * 32, alignment=16).toint()
+        sbuf = sbuf + warp * stage * 128
     if cutlass.const_expr(pdl):  # ids and activations come from the previous launch
         wait_and_release()
     e = ld_s32(ids + Int64(pair) * 4)
@@ -270,6 +312,8 @@ def fc1_kernel(
             depth,
             False,
             pdl,
+            sbuf,
+            lane,
         )
     # one MMA column suffices (all hold the token): only rows g (gate) and g + 8 (up) meet
     red = cute.make_tensor(cute.arch.alloc_smem(Float32, warps * 64), cute.make_layout(warps * 64))
@@ -293,10 +337,15 @@ def fc2_kernel(
     hbuf: Int64, ids: Int64, codes: Int64, scales: Int64, g2: Int64, weights: Int64,
     out: Int64, routed_scale: Float32, hidden: Int32, inter: Int32,
     topk: cutlass.Constexpr, warps: cutlass.Constexpr, combine: cutlass.Constexpr,
-    depth: cutlass.Constexpr, pdl: cutlass.Constexpr,
+    depth: cutlass.Constexpr, pdl: cutlass.Constexpr, stage: cutlass.Constexpr,
 ):  # fmt: skip
+    """`stage`: chunks of K (all of it) a warp stages in shared memory (0: none)."""
     tok, rt, _ = cute.arch.block_idx()
     tid, warp, lane, g, lc = thread_coords()
+    sbuf = None
+    if cutlass.const_expr(stage > 0):
+        sbuf = cute.arch.alloc_smem(Int32, warps * stage * 32, alignment=16).toint()
+        sbuf = sbuf + warp * stage * 128
     kc = inter // 64
     tiles = hidden // 16
     rows = cute.make_tensor(cute.arch.alloc_smem(Float32, topk * 16), cute.make_layout(topk * 16))
@@ -314,6 +363,8 @@ def fc2_kernel(
             depth,
             pdl,
             pdl,
+            sbuf,
+            lane,
         )
         ge = ld_f32(g2 + Int64(e) * 4) * frag.UNDO
         lo = round_bf16(acc[0] * ge)
@@ -474,11 +525,13 @@ def fc1_host(
     x: Int64, ids: Int64, codes: Int64, scales: Int64, g13: Int64, h: Int64,
     pairs: Int32, hidden: Int32, inter: Int32, stream,
     topk: cutlass.Constexpr, warps: cutlass.Constexpr, depth: cutlass.Constexpr,
-    pdl: cutlass.Constexpr,
+    pdl: cutlass.Constexpr, stage: cutlass.Constexpr,
 ):  # fmt: skip
-    fc1_kernel(x, ids, codes, scales, g13, h, hidden, inter, topk, warps, depth, pdl).launch(
+    fc1_kernel(
+        x, ids, codes, scales, g13, h, hidden, inter, topk, warps, depth, pdl, stage
+    ).launch(
         grid=[pairs, inter // 8, 1], block=[32 * warps, 1, 1], stream=stream, use_pdl=pdl
-    )
+    )  # fmt: skip
 
 
 @cute.jit
@@ -486,11 +539,11 @@ def fc2_host(
     hbuf: Int64, ids: Int64, codes: Int64, scales: Int64, g2: Int64, weights: Int64,
     out: Int64, routed_scale: Float32, tokens: Int32, hidden: Int32, inter: Int32, stream,
     topk: cutlass.Constexpr, warps: cutlass.Constexpr, combine: cutlass.Constexpr,
-    depth: cutlass.Constexpr, pdl: cutlass.Constexpr,
+    depth: cutlass.Constexpr, pdl: cutlass.Constexpr, stage: cutlass.Constexpr,
 ):  # fmt: skip
     fc2_kernel(
         hbuf, ids, codes, scales, g2, weights, out, routed_scale, hidden, inter,
-        topk, warps, combine, depth, pdl,
+        topk, warps, combine, depth, pdl, stage,
     ).launch(
         grid=[tokens, hidden // 16, 1], block=[32 * warps, 1, 1], stream=stream, use_pdl=pdl
     )  # fmt: skip

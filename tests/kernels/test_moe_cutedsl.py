@@ -10,6 +10,8 @@ written, both outputs (combined, rows).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -130,6 +132,32 @@ def test_cutedsl_matches_reference_gpu(tokens, hidden, inter, experts, top_k, co
 
 
 @gpu
+@pytest.mark.parametrize(
+    "tokens, hidden, inter, experts, top_k",
+    [
+        (1, 5120, 1536, 32, 8),  # Beam-1.0 TP1 rows
+        (8, 5120, 192, 64, 8),  # one rank of TP8
+        (3, 256, 128, 8, 3),  # odd top-k
+        (5, 192, 64, 8, 6),  # K of FC1 not a multiple of 4 chunks a warp
+        (2, 640, 64, 16, 12),  # more experts than FC2's warps: a warp restages its buffer
+    ],
+)
+@pytest.mark.parametrize("pdl", [False, True])
+def test_cutedsl_staged_activations_change_no_bit_gpu(tokens, hidden, inter, experts, top_k,
+                                                      pdl):  # fmt: skip
+    """Activations staged in shared memory by each warp: within tolerance, and the same
+    bits as read from global memory (the same products in the same order)."""
+    cfg = cd.Config(warps2=min(8, top_k), pdl=pdl, stage=True)
+    _check(tokens, hidden, inter, experts, top_k, True, tokens, cfg)
+    x, ids, wt, q, _, _ = make_moe(tokens, hidden, inter, experts, top_k, "cuda", tokens)
+    for combine in (True, False):
+        args = (wt, 1.5) if combine else ()
+        staged = cd.experts(x, ids, *q.tensors(), *args, config=cfg)
+        direct = cd.experts(x, ids, *q.tensors(), *args, config=replace(cfg, stage=False))
+        assert torch.equal(staged, direct)
+
+
+@gpu
 @pytest.mark.parametrize("tokens, inter, experts", [(64, 192, 256), (40, 1024, 4)])
 def test_cutedsl_grouped_default_gpu(tokens, inter, experts):
     """The defaults that group pairs; 40 tokens on 4 experts: blocks of 8 pairs and
@@ -153,7 +181,8 @@ def test_cutedsl_grouped_default_gpu(tokens, inter, experts):
 @settings(deadline=None, max_examples=20)
 def test_cutedsl_random_shapes_gpu(tokens, hidden, inter, experts, top_k, seed):
     k = min(top_k, experts)
-    cfg = cd.Config(grouped=seed % 2 == 1, warps2=min(8, k), pdl=seed % 4 < 2)
+    cfg = cd.Config(grouped=seed % 2 == 1, warps2=min(8, k), pdl=seed % 4 < 2,
+                    stage=seed % 3 == 0)  # fmt: skip
     _check(tokens, hidden, inter, experts, k, True, seed, cfg)
 
 
@@ -169,20 +198,34 @@ def test_nvfp4_zero_scales_zero_their_block():
 
 
 def test_pick_config_follows_the_measured_rules():
-    """The defaults bench/NOTES.md (MoE run 9) chose: per pair below 128 pairs (512 on
-    narrow experts), blocks above; FC1 on 8 warps below 512 CTAs; PDL where FC2's K fits
-    the chunks it loads before waiting."""
+    """The defaults bench/NOTES.md (MoE runs 9 and 12) chose: per pair below 128 pairs (512
+    on narrow experts), blocks above; FC1 on 8 warps with two chunks in flight below 512
+    CTAs; activations staged in shared memory; PDL where FC2's K fits the chunks it loads
+    before waiting."""
     tp1, tp8 = 1536, 192
     one = cd.pick_config(8, 5120, tp1, 8)
-    assert (one.grouped, one.warps1, one.warps2, one.pdl) == (False, 4, 8, False)
+    assert (one.grouped, one.warps1, one.depth1, one.warps2, one.pdl) == (False, 4, 4, 8, False)
+    assert one.stage  # activations staged in shared memory (MoE run 12)
     narrow = cd.pick_config(8, 5120, tp8, 8)  # 8 pairs x 24 tiles = 192 CTAs
-    assert (narrow.grouped, narrow.warps1) == (False, 8)
+    assert (narrow.grouped, narrow.warps1, narrow.depth1, narrow.stage) == (False, 8, 2, True)
     assert narrow.pdl == cd.PDL
     assert not cd.pick_config(120, 5120, tp1, 8).grouped
     assert cd.pick_config(128, 5120, tp1, 8).grouped
     assert not cd.pick_config(256, 5120, tp8, 8).grouped
     assert cd.pick_config(512, 5120, tp8, 8).grouped
     assert cd.pick_config(4, 5120, tp1, 2).warps2 == 2  # a warp an expert
+
+
+def test_stage_chunks_split_k_as_the_kernels_do_and_cap_shared_memory():
+    """FC1's warps split hidden / 64 chunks (rounded up), an FC2 warp stages all of inter;
+    past STAGE_BYTES a CTA's buffers are not staged; off, nothing is."""
+    cfg = cd.Config(warps1=4, warps2=8, stage=True)
+    assert cd.stage_chunks(cfg, 5120, 1536) == (20, 24)  # 10 KB and 24 KB a CTA
+    assert cd.stage_chunks(replace(cfg, warps1=8), 5120, 192) == (10, 3)
+    assert cd.stage_chunks(cfg, 192, 64) == (1, 1)  # 3 chunks over 4 warps: 1 each
+    assert cd.stage_chunks(cfg, 5120, 4096) == (20, 0)  # 8 warps x 64 chunks: 64 KB
+    assert cd.stage_chunks(cfg, 65536, 1536) == (0, 24)  # 256 chunks a warp: 128 KB
+    assert cd.stage_chunks(replace(cfg, stage=False), 5120, 1536) == (0, 0)
 
 
 def test_weight_cache_holds_its_sources_and_rebuilds_on_change():
