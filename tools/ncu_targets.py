@@ -4,8 +4,12 @@ Triton kernel's registers, spills and shared memory.
     ncu --clock-control none --section SpeedOfLight --section WarpStateStats \\
         -k regex:'fc1|fc2|router' python tools/ncu_targets.py [CASE ...]
 
-Cases: moe-nvfp4 (TP1 shape, 1 token, both NVFP4 decoders), moe-bf16, router (1 and 16
-tokens). Beam-1.0 shapes, random weights.
+Cases: moe-nvfp4 (TP1 shape, 1 token, both Triton NVFP4 decoders), moe-bf16, router (Triton,
+1 and 16 tokens), boundary (the fused boundary at 4096 rows and `torch.cat` of the same
+bytes; filter "boundary|Cat"), moe-cutedsl (the CuTeDSL NVFP4 experts at a token, TP1;
+"fc"), router-cutedsl (the CuTeDSL router GEMM at 1 and 16 tokens and the Triton whole-row
+kernel at 1; "router|gemv"). Beam-1.0 shapes, random weights; eager calls, so each kernel
+is profiled alone. `bench/results/ncu.md` has a profile of the last three.
 """
 
 from __future__ import annotations
@@ -70,11 +74,56 @@ def router_cases(runs: int = 2) -> None:
     describe(rt._router_gemm_kernel)
 
 
+def boundary_case(runs: int = 3) -> None:
+    import bench_boundary
+
+    from beamfx.kernels.boundary import triton as boundary_triton
+
+    s = bench_boundary.make_set(4096, 0, torch.Generator(device="cuda").manual_seed(0))
+    for _ in range(runs):
+        boundary_triton.fused_boundary(*s)
+        torch.cat([s[0], s[1]])
+    torch.cuda.synchronize()
+    describe(boundary_triton._boundary_kernel)
+
+
+def moe_cutedsl_case(runs: int = 4) -> None:
+    from beamfx.kernels.moe import cutedsl
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = bench_moe.random_experts(1536, gen)
+    for x, ids, w in bench_moe.routing_sets(1, runs, gen):
+        cutedsl.experts(x, ids, *q.tensors(), w, 2.5)
+    torch.cuda.synchronize()
+
+
+def router_cutedsl_case(runs: int = 3) -> None:
+    from beamfx.kernels.router import cutedsl
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(256, 5120, generator=gen, device="cuda") / 5120**0.5
+    for tokens in (1, 16):
+        x = torch.randn(tokens, 5120, generator=gen, device="cuda").to(torch.bfloat16)
+        for _ in range(runs):
+            cutedsl.router_gemm(x, w)
+            if tokens == 1:
+                rt.router_gemm(x, w)
+    torch.cuda.synchronize()
+
+
+CASES = {
+    "moe-nvfp4": lambda: moe_cases(True),
+    "moe-bf16": lambda: moe_cases(False),
+    "router": router_cases,
+    "boundary": boundary_case,
+    "moe-cutedsl": moe_cutedsl_case,
+    "router-cutedsl": router_cutedsl_case,
+}
+
 if __name__ == "__main__":
     cases = sys.argv[1:] or ["moe-nvfp4", "moe-bf16", "router"]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        raise SystemExit(f"ncu_targets: unknown case(s) {unknown}; choose from {list(CASES)}")
     for case in cases:
-        {
-            "moe-nvfp4": lambda: moe_cases(True),
-            "moe-bf16": lambda: moe_cases(False),
-            "router": router_cases,
-        }[case]()
+        CASES[case]()
