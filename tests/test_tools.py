@@ -1,4 +1,4 @@
-"""The benchmark scripts run (on CPU, at tiny sizes): what a GPU session will run is sound."""
+"""The benchmark scripts run (on CPU, at tiny sizes): what a GPU run executes is sound."""
 
 import json
 import subprocess
