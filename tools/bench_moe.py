@@ -273,10 +273,10 @@ def bench_shape(
                   f"{2 * row['floor_nvfp4_us'] / 3:.1f}), FC2 {row['nvfp4_fma_fc2_us']:.1f} us "
                   f"(floor {row['floor_nvfp4_us'] / 3:.1f})", flush=True)  # fmt: skip
         if cutedsl_sweep and "nvfp4_cutedsl" in names:
-            base = cd.pick_config(tokens * TOP_K, HIDDEN, inter, TOP_K)
-            cfgs = CUTEDSL_SWEEP if cutedsl_sweep == "configs" else [
-                replace(base, **c) for c in STAGE_SWEEP
-            ] if not base.grouped else []  # fmt: skip
+            cfgs = CUTEDSL_SWEEP
+            if cutedsl_sweep == "stage":  # per pair only: grouped configs do not stage
+                base = cd.pick_config(tokens * TOP_K, HIDDEN, inter, TOP_K)
+                cfgs = [] if base.grouped else [replace(base, **c) for c in STAGE_SWEEP]
             for cfg in cfgs:
                 fn = functools.partial(fns["cutedsl_config"], c=cfg)
                 err, us = measure(fn, sets, want)

@@ -21,9 +21,13 @@ from dataclasses import replace
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_boundary  # noqa: E402
 import bench_moe  # noqa: E402
 
+from beamfx.kernels.boundary import triton as boundary_triton  # noqa: E402
+from beamfx.kernels.moe import cutedsl as moe_cutedsl  # noqa: E402
 from beamfx.kernels.moe import triton as tk  # noqa: E402
+from beamfx.kernels.router import cutedsl as router_cutedsl  # noqa: E402
 from beamfx.kernels.router import triton as rt  # noqa: E402
 
 
@@ -75,10 +79,6 @@ def router_cases(runs: int = 2) -> None:
 
 
 def boundary_case(runs: int = 3) -> None:
-    import bench_boundary
-
-    from beamfx.kernels.boundary import triton as boundary_triton
-
     s = bench_boundary.make_set(4096, 0, torch.Generator(device="cuda").manual_seed(0))
     for _ in range(runs):
         boundary_triton.fused_boundary(*s)
@@ -88,24 +88,20 @@ def boundary_case(runs: int = 3) -> None:
 
 
 def moe_cutedsl_case(runs: int = 4) -> None:
-    from beamfx.kernels.moe import cutedsl
-
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = bench_moe.random_experts(1536, gen)
     for x, ids, w in bench_moe.routing_sets(1, runs, gen):
-        cutedsl.experts(x, ids, *q.tensors(), w, 2.5)
+        moe_cutedsl.experts(x, ids, *q.tensors(), w, 2.5)
     torch.cuda.synchronize()
 
 
 def router_cutedsl_case(runs: int = 3) -> None:
-    from beamfx.kernels.router import cutedsl
-
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(256, 5120, generator=gen, device="cuda") / 5120**0.5
     for tokens in (1, 16):
         x = torch.randn(tokens, 5120, generator=gen, device="cuda").to(torch.bfloat16)
         for _ in range(runs):
-            cutedsl.router_gemm(x, w)
+            router_cutedsl.router_gemm(x, w)
             if tokens == 1:
                 rt.router_gemm(x, w)
     torch.cuda.synchronize()

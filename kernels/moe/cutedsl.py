@@ -129,10 +129,9 @@ def stage_chunks(cfg: Config, hidden: int, inter: int) -> tuple[int, int]:
     pass STAGE_BYTES (the kernels then read activations from global memory)."""
     if not cfg.stage:
         return 0, 0
-    fc1 = -(-(hidden // 64) // cfg.warps1)
-    fc2 = inter // 64
-    fits = lambda warps, chunks: warps * chunks * 128 <= STAGE_BYTES  # noqa: E731
-    return (fc1 if fits(cfg.warps1, fc1) else 0), (fc2 if fits(cfg.warps2, fc2) else 0)
+    fc1, fc2 = -(-(hidden // 64) // cfg.warps1), inter // 64
+    most = STAGE_BYTES // 128  # chunks a CTA may stage
+    return (fc1 if cfg.warps1 * fc1 <= most else 0), (fc2 if cfg.warps2 * fc2 <= most else 0)
 
 
 @functools.cache
@@ -202,10 +201,10 @@ def experts(x, ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_we
     h = torch.empty(t * k, inter, device=x.device, dtype=torch.bfloat16)
     combine = topk_weights is not None
     stream = _stream()
-    stage1, stage2 = stage_chunks(cfg, hidden, inter)
     if cfg.grouped:
         return _grouped(x, flat, t, k, h, fc1, fc2, g13, g2, topk_weights, routed_scale, cfg,
                         w13.shape[0], stream)  # fmt: skip
+    stage1, stage2 = stage_chunks(cfg, hidden, inter)
     if t:
         compiled_fc1(k, cfg.warps1, cfg.depth1, cfg.pdl, stage1)(
             x.data_ptr(), flat.data_ptr(), fc1.codes.data_ptr(), fc1.scales.data_ptr(),

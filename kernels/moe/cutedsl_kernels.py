@@ -221,6 +221,15 @@ def load_chunks(w_at, s_at, first, last, depth: cutlass.Constexpr, early: cutlas
     return w, s
 
 
+def warp_buffer(warp, warps, stage):
+    """This warp's shared-memory address for `stage` chunks (128 bytes each) of staged
+    activations, or None when `stage` is 0 (a compile-time constant)."""
+    if stage == 0:
+        return None
+    base = cute.arch.alloc_smem(Int32, warps * stage * 32, alignment=16).toint()
+    return base + warp * stage * 128
+
+
 @cute.jit
 def stage_row(x_at, sbuf, lane, c_begin, c_end, pdl: cutlass.Constexpr):
     """Copy this warp's activations of chunks [c_begin, c_end) (128 bytes each) into its
@@ -288,10 +297,7 @@ def fc1_kernel(
     """`stage`: chunks of K a warp stages in shared memory (0: none; see `dot_rows`)."""
     pair, rt, _ = cute.arch.block_idx()
     tid, warp, lane, g, lc = thread_coords()
-    sbuf = None
-    if cutlass.const_expr(stage > 0):
-        sbuf = cute.arch.alloc_smem(Int32, warps * stage * 32, alignment=16).toint()
-        sbuf = sbuf + warp * stage * 128
+    sbuf = warp_buffer(warp, warps, stage)
     if cutlass.const_expr(pdl):  # ids and activations come from the previous launch
         wait_and_release()
     e = ld_s32(ids + Int64(pair) * 4)
@@ -342,10 +348,7 @@ def fc2_kernel(
     """`stage`: chunks of K (all of it) a warp stages in shared memory (0: none)."""
     tok, rt, _ = cute.arch.block_idx()
     tid, warp, lane, g, lc = thread_coords()
-    sbuf = None
-    if cutlass.const_expr(stage > 0):
-        sbuf = cute.arch.alloc_smem(Int32, warps * stage * 32, alignment=16).toint()
-        sbuf = sbuf + warp * stage * 128
+    sbuf = warp_buffer(warp, warps, stage)
     kc = inter // 64
     tiles = hidden // 16
     rows = cute.make_tensor(cute.arch.alloc_smem(Float32, topk * 16), cute.make_layout(topk * 16))

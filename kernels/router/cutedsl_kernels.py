@@ -171,12 +171,8 @@ def key_of(value, *, loc=None, ip=None):
 
 @dsl_user_op
 def float_of(key, *, loc=None, ip=None):
-    return _asm(
-        [Float32], [Int32(key)],
-        "{ .reg .b32 t, u; shr.s32 t, $1, 31; and.b32 t, t, 0x7FFFFFFF; xor.b32 u, $1, t; "
-        "mov.b32 $0, u; }",
-        "=f,r", False, loc, ip,
-    )[0]  # fmt: skip
+    """The float whose `key_of` is `key`."""
+    return from_bits(key_of(key, loc=loc, ip=ip), loc=loc, ip=ip)
 
 
 @dsl_user_op
