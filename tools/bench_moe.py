@@ -277,6 +277,9 @@ def bench_shape(
             if cutedsl_sweep == "stage":  # per pair only: grouped configs do not stage
                 base = cd.pick_config(tokens * TOP_K, HIDDEN, inter, TOP_K)
                 cfgs = [] if base.grouped else [replace(base, **c) for c in STAGE_SWEEP]
+            elif cutedsl_sweep == "group":  # per pair, in blocks, per pair again (drift)
+                cfgs = [cd.pick_config(tokens * TOP_K, HIDDEN, inter, TOP_K, g)
+                        for g in (False, True, False)]  # fmt: skip
             for cfg in cfgs:
                 fn = functools.partial(fns["cutedsl_config"], c=cfg)
                 err, us = measure(fn, sets, want)
@@ -337,6 +340,11 @@ def main() -> None:
         action="store_true",
         help="sweep staging activations in shared memory (CuTeDSL, per pair)",
     )
+    ap.add_argument(
+        "--group-sweep",
+        action="store_true",
+        help="CuTeDSL per pair against blocks of pairs, and the sort alone (one launch or torch)",
+    )
     ap.add_argument("--shapes", nargs="*", choices=list(SHAPES), help="shapes (default: all)")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -352,7 +360,8 @@ def main() -> None:
             sweep = "nvfp4" if args.sweep_nvfp4_only else args.sweep
             rows += bench_shape(
                 shape, inter, tokens, gen, bw, mm, sweep, sweeps, args.fma_sweep,
-                "configs" if args.cutedsl_sweep else "stage" if args.stage_sweep else None,
+                "configs" if args.cutedsl_sweep else "stage" if args.stage_sweep
+                else "group" if args.group_sweep else None,
             )  # fmt: skip
             torch.cuda.empty_cache()
     meta = dict(
@@ -366,13 +375,16 @@ def main() -> None:
         copy_bandwidth_GBps=bw / 1e9,
         bf16_matmul_TFLOPs=mm / 1e12,
         launches_per_call=f"{tk.LAUNCHES} (NVFP4/bf16 Triton, <= {tk.SCAN_MAX_PAIRS} pairs); "
-        f"CuTeDSL {cd.LAUNCHES} (< {cd.GROUP_MIN_PAIRS} pairs, else the sort's ops + 3)",
+        f"CuTeDSL {cd.LAUNCHES} per pair, 4 in blocks (from {cd.GROUP_MIN_PAIRS} pairs on "
+        f"experts >= {cd.GROUP_MIN_INTER} wide, {cd.GROUP_MIN_PAIRS_NARROW} on narrower)",
         shape=dict(hidden=HIDDEN, experts=EXPERTS, top_k=TOP_K, moe_intermediate=SHAPES),
     )
     os.makedirs(args.out, exist_ok=True)
-    if args.stage_sweep:
-        with open(os.path.join(args.out, "moe_stage_sweep.json"), "w") as f:
-            json.dump(dict(meta=meta, rows=rows, sweep=sweeps), f, indent=1)
+    if args.stage_sweep or args.group_sweep:
+        name = "moe_stage_sweep.json" if args.stage_sweep else "moe_group_sweep.json"
+        extra = dict(sort=sort_timings(gen)) if args.group_sweep else {}
+        with open(os.path.join(args.out, name), "w") as f:
+            json.dump(dict(meta=meta, rows=rows, sweep=sweeps, **extra), f, indent=1)
         return
     with open(os.path.join(args.out, "moe.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows, sweep=sweeps), f, indent=1)
@@ -380,6 +392,25 @@ def main() -> None:
     with open(os.path.join(args.out, "moe.md"), "w") as f:
         f.write(table)
     print(table)
+
+
+def sort_timings(gen: torch.Generator) -> list[dict]:
+    """`sort_blocks` alone, one launch against the torch ops, per call (graph replay)."""
+    out = []
+    for pairs in (64, 128, 256, 512, 1024, 2048, 4096):
+        for bm in (cd.GROUP, 64):
+            sets = [(torch.randint(0, EXPERTS, (pairs,), generator=gen, device="cuda",
+                                   dtype=torch.int32),) for _ in range(8)]  # fmt: skip
+            row = dict(pairs=pairs, bm=bm)
+            for name, fn in (("one_launch", tk.sort_blocks), ("torch_ops", tk.sort_blocks_torch)):
+                row[f"{name}_us"] = time_over(lambda i, fn=fn, bm=bm: fn(i, EXPERTS, bm), sets)
+            print(
+                f"sort {pairs:5d} pairs, {bm:3d} rows a block: one launch "
+                f"{row['one_launch_us']:.2f} us, torch ops {row['torch_ops_us']:.2f}",
+                flush=True,
+            )
+            out.append(row)
+    return out
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:

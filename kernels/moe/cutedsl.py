@@ -16,8 +16,8 @@ Per pair (below `GROUP_MIN_PAIRS`), two launches, as the Triton FMA path they re
    contract); with the combine, the rows' weighted sum is taken in fp32, in slot order,
    times the routed scale, rounded once.
 
-In blocks (from `GROUP_MIN_PAIRS` on wide experts): torch ops sort the pairs into blocks
-of up to 8 of one expert (`triton.sort_blocks`), one MMA column a pair, so an expert's
+In blocks (from `GROUP_MIN_PAIRS` on wide experts): one small launch sorts the pairs into
+blocks of up to 8 of one expert (`triton.sort_blocks`), one MMA column a pair, so an expert's
 weights are read once for all its tokens; FC2 writes the pairs' bf16 rows and the Triton
 finalize kernel combines them.
 
@@ -48,12 +48,12 @@ from beamfx.kernels.moe.weight_cache import WeightCache
 from beamfx.ops import Provider
 
 MAX_PAIRS = 512  # tokens x top-k up to which this path serves (the MMA path wins above)
-# From this many pairs, pairs sharing an expert share its weight reads: torch ops sort them
-# into blocks of GROUP columns (`triton.sort_blocks`), FC2 writes rows, a finalize launch
-# combines them (bench/NOTES.md, MoE run 9).
-GROUP_MIN_PAIRS = 128
-GROUP_MIN_INTER = 1024  # narrower experts (one TP8 rank: 192) lose more to the sort ops,
-GROUP_MIN_PAIRS_NARROW = 512  # ... up to this many pairs
+# From this many pairs, pairs sharing an expert share its weight reads: one launch sorts
+# them into blocks of GROUP columns (`triton.sort_blocks`), FC2 writes rows, a finalize
+# launch combines them (bench/NOTES.md, MoE runs 9 and 13).
+GROUP_MIN_PAIRS = 64
+GROUP_MIN_INTER = 1024  # narrower experts (one TP8 rank: 192) gain less from sharing,
+GROUP_MIN_PAIRS_NARROW = 256  # ... up to this many pairs
 PDL = os.environ.get("BEAMFX_PDL", "1") != "0"
 GROUP = 8  # pairs a block: the MMA's N
 STAGE_BYTES = 32 << 10  # most shared memory a CTA takes to stage activations (`Config.stage`)
@@ -109,14 +109,18 @@ class Config:
 FEW_CTAS = 512  # FC1 below this many CTAs (one TP8 rank at a token: 192) splits K 8 ways
 
 
-def pick_config(pairs: int, hidden: int, inter: int, top_k: int) -> Config:
+def pick_config(
+    pairs: int, hidden: int, inter: int, top_k: int, grouped: bool | None = None
+) -> Config:
     """Measured on an H200 (bench/NOTES.md, MoE run 9): four chunks in flight a lane,
     FC1 on 4 warps (8 where there are few CTAs), FC2 one warp an expert; blocks of pairs
     sharing an expert from GROUP_MIN_PAIRS on wide experts (or GROUP_MIN_PAIRS_NARROW).
     Programmatic dependent launch where FC2 loads all its weights before it waits (it
     slowed wide experts at a token: FC2's waiting CTAs hold SMs from FC1's last wave)."""
     pdl = PDL and inter <= 64 * Config.depth2
-    if pairs >= (GROUP_MIN_PAIRS if inter >= GROUP_MIN_INTER else GROUP_MIN_PAIRS_NARROW):
+    if grouped is None:  # else forced (benchmark sweeps)
+        grouped = pairs >= (GROUP_MIN_PAIRS if inter >= GROUP_MIN_INTER else GROUP_MIN_PAIRS_NARROW)
+    if grouped:
         return Config(warps1=4, depth1=2, warps2=2, depth2=2, grouped=True, pdl=pdl)
     few = pairs * (inter // 8) < FEW_CTAS
     return Config(warps1=8 if few else 4, depth1=2 if few else 4, warps2=min(8, top_k),
@@ -248,7 +252,7 @@ def _grouped(x, flat, t, k, h, fc1, fc2, g13, g2, topk_weights, routed_scale, cf
     return tk.finalize_rows(rows, topk_weights, routed_scale)
 
 
-LAUNCHES = 2  # below GROUP_MIN_PAIRS; from there, the sort's torch ops and a finalize too
+LAUNCHES = 2  # per pair; in blocks 4 (the sort, FC1, FC2, the finalize)
 
 
 # --- providers -------------------------------------------------------------------------------

@@ -434,11 +434,12 @@ def split_k_dot(codes, scales, act, tile, kc, warp, lane, warps: cutlass.Constex
 @cute.jit
 def group_columns(order, blocks, blk, g):
     """A block of up to 8 pairs of one expert (`sort_blocks`): (expert, first sorted
-    position, columns, the pair of MMA column g; past the last column, the last pair)."""
+    position, columns, the pair of MMA column g; past the last column, the last pair; in a
+    block past the last real one, (-1, 0, 0), the first pair, so the load stays in bounds)."""
     e = ld_s32(blocks + Int64(blk) * 12)
     start = ld_s32(blocks + Int64(blk) * 12 + 4)
     cols = cutlass.min(ld_s32(blocks + Int64(blk) * 12 + 8) - start, 8)
-    pair = ld_s32(order + Int64(start + cutlass.min(g, cols - 1)) * 4)
+    pair = ld_s32(order + Int64(start + cutlass.max(cutlass.min(g, cols - 1), 0)) * 4)
     return e, start, cols, pair
 
 

@@ -15,7 +15,8 @@ Two launches per MoE layer, no routing pre-pass at small token counts:
 Finding an expert's rows: up to `SCAN_MAX_PAIRS` (token, slot) pairs, program m stands for
 pair m and works only if m is the first pair routed to its expert; it then gathers that
 expert's pairs by a prefix count over all pair ids (cheap at decode sizes). Above that,
-a few torch ops sort the pairs by expert into blocks of `BM` rows (one program per block).
+one small launch (`sort_blocks`) sorts the pairs by expert into blocks of `BM` rows (one
+program per block).
 The fp32 sums of the combine arrive in any order: results match the reference to fp32
 rounding before the final bf16 rounding, not bit for bit.
 """
@@ -33,6 +34,9 @@ from beamfx.ops import Provider
 
 # Pairs (tokens x top-k) up to which programs find their rows by scanning the ids.
 SCAN_MAX_PAIRS = 1024
+# Pairs and experts up to which one program sorts pairs into blocks (`sort_blocks`).
+SORT_MAX_PAIRS = 4096
+SORT_MAX_EXPERTS = 1024
 
 
 @dataclass(frozen=True)
@@ -855,6 +859,38 @@ if triton is not None:
         out = _round_bf16(total * routed_scale).to(tl.bfloat16)
         tl.store(out_ptr + t * hidden + cols, out, mask=cols < hidden)
 
+    @triton.jit
+    def _sort_blocks_kernel(
+        ids_ptr, order_ptr, blocks_ptr, n, num_experts, n_blocks,
+        BM: tl.constexpr, N_PAD: tl.constexpr, E_PAD: tl.constexpr, NB_PAD: tl.constexpr,
+    ):  # fmt: skip
+        # One program. Keys (expert, index) sort stably; a histogram counts each expert's
+        # pairs; the sorted pair at rank r of its expert's run starts that expert's block
+        # r / BM when r % BM == 0, and writes it.
+        i = tl.arange(0, N_PAD)
+        ids = tl.load(ids_ptr + i, mask=i < n, other=num_experts)
+        ids = tl.where((ids >= 0) & (ids < num_experts), ids, num_experts)  # sorts last
+        keys = tl.sort(ids * N_PAD + i)
+        e = keys // N_PAD
+        tl.store(order_ptr + i, keys % N_PAD, mask=i < n)
+        counts = tl.where(tl.arange(0, E_PAD) < num_experts, tl.histogram(ids, E_PAD), 0)
+        first = tl.cumsum(counts, 0) - counts
+        n_blk = (counts + BM - 1) // BM
+        first_blk = tl.cumsum(n_blk, 0) - n_blk
+        run = tl.gather(first, e, 0)
+        end = run + tl.gather(counts, e, 0)
+        rank = i - run
+        b = tl.gather(first_blk, e, 0) + rank // BM
+        starts = (e < num_experts) & (rank % BM == 0)
+        tl.store(blocks_ptr + 3 * b, e, mask=starts)
+        tl.store(blocks_ptr + 3 * b + 1, i, mask=starts)
+        tl.store(blocks_ptr + 3 * b + 2, end, mask=starts)
+        j = tl.arange(0, NB_PAD)
+        past = (j >= tl.sum(n_blk, 0)) & (j < n_blocks)
+        tl.store(blocks_ptr + 3 * j, tl.full([NB_PAD], -1, tl.int32), mask=past)
+        tl.store(blocks_ptr + 3 * j + 1, tl.zeros([NB_PAD], tl.int32), mask=past)
+        tl.store(blocks_ptr + 3 * j + 2, tl.zeros([NB_PAD], tl.int32), mask=past)
+
 
 def finalize_rows(
     rows: torch.Tensor, topk_weights: torch.Tensor, routed_scale: float
@@ -875,12 +911,43 @@ def finalize_rows(
 
 
 def sort_blocks(flat_ids: torch.Tensor, num_experts: int, bm: int):
-    """Pairs sorted by expert, and blocks [NB, 3] = (expert or -1, start, end) of <= bm rows.
+    """Pairs sorted by expert, and blocks [NB, 3] = (expert, start, end) of <= bm rows.
 
     NB is a bound from shapes alone (no host sync, CUDA-graph safe): one partial block per
-    expert plus the full ones.
+    expert plus the full ones; the blocks past the last real one are (-1, 0, 0). Ids outside
+    [0, num_experts) are in no block. One launch (`_sort_blocks_kernel`) up to
+    SORT_MAX_PAIRS pairs and SORT_MAX_EXPERTS experts, else ~10 torch ops; the two give the
+    same tensors (a stable sort).
     """
     n = flat_ids.numel()
+    bound = (n + bm - 1) // bm + min(num_experts, n)
+    if _sort_in_one_launch(flat_ids, num_experts):
+        order = torch.empty(n, device=flat_ids.device, dtype=torch.int32)
+        blocks = torch.empty(bound, 3, device=flat_ids.device, dtype=torch.int32)
+        if n:
+            _sort_blocks_kernel[(1,)](
+                flat_ids.to(torch.int32).contiguous(), order, blocks, n, num_experts, bound,
+                BM=bm, N_PAD=triton.next_power_of_2(n),
+                E_PAD=triton.next_power_of_2(num_experts + 1),
+                NB_PAD=triton.next_power_of_2(bound), num_warps=8 if n <= 1024 else 16,
+            )  # fmt: skip
+        return order, blocks
+    return sort_blocks_torch(flat_ids, num_experts, bm)
+
+
+def _sort_in_one_launch(flat_ids: torch.Tensor, num_experts: int) -> bool:
+    return (
+        triton is not None
+        and (flat_ids.is_cuda or _INTERPRET)
+        and flat_ids.numel() <= SORT_MAX_PAIRS
+        and num_experts <= SORT_MAX_EXPERTS
+    )
+
+
+def sort_blocks_torch(flat_ids: torch.Tensor, num_experts: int, bm: int):
+    """`sort_blocks` in torch ops (any size, any device)."""
+    n = flat_ids.numel()
+    flat_ids = torch.where((flat_ids >= 0) & (flat_ids < num_experts), flat_ids, num_experts)
     sorted_ids, order = torch.sort(flat_ids, stable=True)
     dev = flat_ids.device
     offsets = torch.searchsorted(
@@ -895,7 +962,10 @@ def sort_blocks(flat_ids: torch.Tensor, num_experts: int, bm: int):
     valid = expert < num_experts
     ec = expert.clamp(max=num_experts - 1)
     start = offsets[ec] + (b - (block_end[ec] - n_blocks[ec])) * bm
-    blocks = torch.stack((torch.where(valid, expert, -1), start, offsets[ec + 1]), 1)
+    blocks = torch.stack(
+        (torch.where(valid, expert, -1), torch.where(valid, start, 0),
+         torch.where(valid, offsets[ec + 1], 0)), 1,
+    )  # fmt: skip
     return order.to(torch.int32), blocks.to(torch.int32).contiguous()
 
 
@@ -1073,7 +1143,8 @@ def fma_fc2(h, ids, t, k, w2, s2, g2, topk_weights, routed_scale, hidden, cfg: C
     return out
 
 
-LAUNCHES = 2  # per call at <= SCAN_MAX_PAIRS pairs; above, plus the torch sort ops
+LAUNCHES = 2  # per call at <= SCAN_MAX_PAIRS pairs; above, plus the sort (one launch to
+# SORT_MAX_PAIRS, ~10 torch ops beyond)
 
 
 # --- providers ----------------------------------------------------------------------------

@@ -198,8 +198,8 @@ def test_nvfp4_zero_scales_zero_their_block():
 
 
 def test_pick_config_follows_the_measured_rules():
-    """The defaults bench/NOTES.md (MoE runs 9 and 12) chose: per pair below 128 pairs (512
-    on narrow experts), blocks above; FC1 on 8 warps with two chunks in flight below 512
+    """The defaults bench/NOTES.md (MoE runs 9, 12 and 13) chose: per pair below 64 pairs
+    (256 on narrow experts), blocks above; FC1 on 8 warps with two chunks in flight below 512
     CTAs; activations staged in shared memory; PDL where FC2's K fits the chunks it loads
     before waiting."""
     tp1, tp8 = 1536, 192
@@ -209,10 +209,11 @@ def test_pick_config_follows_the_measured_rules():
     narrow = cd.pick_config(8, 5120, tp8, 8)  # 8 pairs x 24 tiles = 192 CTAs
     assert (narrow.grouped, narrow.warps1, narrow.depth1, narrow.stage) == (False, 8, 2, True)
     assert narrow.pdl == cd.PDL
-    assert not cd.pick_config(120, 5120, tp1, 8).grouped
-    assert cd.pick_config(128, 5120, tp1, 8).grouped
-    assert not cd.pick_config(256, 5120, tp8, 8).grouped
-    assert cd.pick_config(512, 5120, tp8, 8).grouped
+    assert not cd.pick_config(56, 5120, tp1, 8).grouped
+    assert cd.pick_config(64, 5120, tp1, 8).grouped
+    assert not cd.pick_config(248, 5120, tp8, 8).grouped
+    assert cd.pick_config(256, 5120, tp8, 8).grouped
+    assert not cd.pick_config(512, 5120, tp8, 8, grouped=False).grouped  # forced
     assert cd.pick_config(4, 5120, tp1, 2).warps2 == 2  # a warp an expert
 
 

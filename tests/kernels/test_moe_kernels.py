@@ -143,19 +143,63 @@ def test_kernels_under_interpreter():
     assert run.stdout.count("relative error") == len(_INTERPRETER_CASES)
 
 
+def check_sort_blocks(order, blocks, ids, experts, bm):
+    """Every pair with a valid id in exactly one block of its expert, in stable order; no
+    block over bm rows; blocks past the last real one (-1, 0, 0)."""
+    seen, real = [], True
+    for e, start, end in blocks.tolist():
+        if e < 0:
+            assert (start, end) == (0, 0)
+            real = False
+            continue
+        assert real, "a real block after a padding one"
+        rows = order[start : min(end, start + bm)].long()
+        assert (ids[rows] == e).all() and (rows.diff() > 0).all()
+        seen += rows.tolist()
+    assert sorted(seen) == [i for i, e in enumerate(ids.tolist()) if 0 <= e < experts]
+
+
 def test_sort_blocks_covers_every_pair_once():
     g = torch.Generator().manual_seed(0)
     for experts, bm, pairs in [(4, 4, 10), (16, 8, 3), (8, 16, 100), (256, 64, 4096)]:
         ids = torch.randint(0, experts, (pairs,), generator=g, dtype=torch.int32)
-        order, blocks = tk.sort_blocks(ids, experts, bm)
-        seen = []
-        for e, start, end in blocks.tolist():
-            if e < 0:
-                continue
-            rows = order[start : min(end, start + bm)]
-            assert (ids[rows.long()] == e).all()
-            seen += rows.tolist()
-        assert sorted(seen) == list(range(pairs))
+        ids[::7] = torch.tensor([-1, experts], dtype=torch.int32).repeat(pairs)[: ids[::7].numel()]
+        order, blocks = tk.sort_blocks_torch(ids, experts, bm)
+        check_sort_blocks(order, blocks, ids, experts, bm)
+
+
+@no_triton
+def test_sort_blocks_one_launch_under_interpreter():
+    """The one-launch sort (Triton's interpreter) gives the torch ops' tensors exactly."""
+    code = (
+        "import tests.kernels.test_moe_kernels as t\n"
+        "for e, bm, n, hi in t.SORT_CASES: print(t.sort_case(e, bm, n, hi, 'cpu'))"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    assert run.stdout.split() == ["one-launch"] * len(SORT_CASES), run.stdout
+
+
+SORT_CASES = [  # experts, block rows, pairs, ids drawn below this (ids >= experts: no expert)
+    (1, 8, 1, 1), (4, 4, 10, 4), (16, 8, 3, 16), (8, 16, 100, 9), (256, 8, 512, 256),
+    (256, 8, 64, 2), (255, 64, 300, 255), (1024, 8, 33, 1030), (3, 128, 1040, 3),
+]  # fmt: skip
+
+
+def sort_case(experts, bm, pairs, hi, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-1 if hi > experts else 0, hi, (pairs,), generator=g, dtype=torch.int32)
+    ids = ids.to(device)
+    assert tk._sort_in_one_launch(ids, experts)
+    order, blocks = tk.sort_blocks(ids, experts, bm)
+    want = tk.sort_blocks_torch(ids, experts, bm)
+    assert torch.equal(order, want[0]) and torch.equal(blocks, want[1]), (experts, bm, pairs)
+    check_sort_blocks(order.cpu(), blocks.cpu(), ids.cpu(), experts, bm)
+    return "one-launch"
 
 
 # --- CPU: grouped_mm path, provider gating ------------------------------------------------
@@ -333,6 +377,19 @@ def test_combine_is_repeatable_gpu():
     outs = [tk.moe(x, ids, q.w13, q.w2, scales, wt, 1.0).float() for _ in range(5)]
     for o in outs[1:]:
         assert (o - outs[0]).abs().max() <= 2 * outs[0].abs().max() * 2**-8
+
+
+@gpu
+@needs_cuda
+@settings(deadline=None, max_examples=40)
+@given(
+    experts=st.sampled_from([1, 8, 256, 257, 1024]),
+    bm=st.sampled_from([8, 64, 128]),
+    pairs=st.integers(1, tk.SORT_MAX_PAIRS),
+    seed=st.integers(0, 2**16),
+)
+def test_sort_blocks_one_launch_gpu(experts, bm, pairs, seed):
+    sort_case(experts, bm, pairs, experts + 1, "cuda", seed)
 
 
 @gpu
