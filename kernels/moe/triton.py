@@ -864,24 +864,30 @@ if triton is not None:
         ids_ptr, order_ptr, blocks_ptr, n, num_experts, n_blocks,
         BM: tl.constexpr, N_PAD: tl.constexpr, E_PAD: tl.constexpr, NB_PAD: tl.constexpr,
     ):  # fmt: skip
-        # One program. Keys (expert, index) sort stably; a histogram counts each expert's
-        # pairs; the sorted pair at rank r of its expert's run starts that expert's block
-        # r / BM when r % BM == 0, and writes it.
+        # One program. Keys (expert, index) sort stably (ids below 0 first, from
+        # num_experts last: in no block); a histogram counts each expert's pairs; the sorted
+        # pair at rank r of its expert's run starts that expert's block r / BM when
+        # r % BM == 0, and writes it.
         i = tl.arange(0, N_PAD)
-        ids = tl.load(ids_ptr + i, mask=i < n, other=num_experts)
-        ids = tl.where((ids >= 0) & (ids < num_experts), ids, num_experts)  # sorts last
-        keys = tl.sort(ids * N_PAD + i)
-        e = keys // N_PAD
-        tl.store(order_ptr + i, keys % N_PAD, mask=i < n)
-        counts = tl.where(tl.arange(0, E_PAD) < num_experts, tl.histogram(ids, E_PAD), 0)
-        first = tl.cumsum(counts, 0) - counts
+        real = i < n
+        ids = tl.load(ids_ptr + i, mask=real, other=0)
+        ok = real & (ids >= 0) & (ids < num_experts)
+        key_id = tl.where(ids < 0, -1, tl.minimum(ids, num_experts))
+        keys = tl.sort(tl.where(real, key_id + 1, num_experts + 2) * N_PAD + i)
+        e = keys // N_PAD - 1
+        tl.store(order_ptr + i, keys % N_PAD, mask=real)
+        counts = tl.histogram(tl.where(ok, ids, num_experts), E_PAD)
+        counts = tl.where(tl.arange(0, E_PAD) < num_experts, counts, 0)
+        first = tl.cumsum(counts, 0) - counts + tl.sum((real & (ids < 0)).to(tl.int32), 0)
         n_blk = (counts + BM - 1) // BM
         first_blk = tl.cumsum(n_blk, 0) - n_blk
-        run = tl.gather(first, e, 0)
-        end = run + tl.gather(counts, e, 0)
+        valid = (e >= 0) & (e < num_experts)
+        ec = tl.where(valid, e, 0)
+        run = tl.gather(first, ec, 0)
+        end = run + tl.gather(counts, ec, 0)
         rank = i - run
-        b = tl.gather(first_blk, e, 0) + rank // BM
-        starts = (e < num_experts) & (rank % BM == 0)
+        b = tl.gather(first_blk, ec, 0) + rank // BM
+        starts = valid & (rank % BM == 0)
         tl.store(blocks_ptr + 3 * b, e, mask=starts)
         tl.store(blocks_ptr + 3 * b + 1, i, mask=starts)
         tl.store(blocks_ptr + 3 * b + 2, end, mask=starts)
@@ -915,9 +921,11 @@ def sort_blocks(flat_ids: torch.Tensor, num_experts: int, bm: int):
 
     NB is a bound from shapes alone (no host sync, CUDA-graph safe): one partial block per
     expert plus the full ones; the blocks past the last real one are (-1, 0, 0). Ids outside
-    [0, num_experts) are in no block. One launch (`_sort_blocks_kernel`) up to
-    SORT_MAX_PAIRS pairs and SORT_MAX_EXPERTS experts, else ~10 torch ops; the two give the
-    same tensors (a stable sort).
+    [0, num_experts) are in no block (sorted first if negative, last if not). One launch
+    (`_sort_blocks_kernel`) up to SORT_MAX_PAIRS pairs and SORT_MAX_EXPERTS experts, else
+    ~10 torch ops; the two give the same tensors (a stable sort; the one launch takes every
+    id below 0 as -1 and every id from num_experts as num_experts, which orders out-of-range
+    ids differently only when they differ among themselves).
     """
     n = flat_ids.numel()
     bound = (n + bm - 1) // bm + min(num_experts, n)
@@ -947,7 +955,6 @@ def _sort_in_one_launch(flat_ids: torch.Tensor, num_experts: int) -> bool:
 def sort_blocks_torch(flat_ids: torch.Tensor, num_experts: int, bm: int):
     """`sort_blocks` in torch ops (any size, any device)."""
     n = flat_ids.numel()
-    flat_ids = torch.where((flat_ids >= 0) & (flat_ids < num_experts), flat_ids, num_experts)
     sorted_ids, order = torch.sort(flat_ids, stable=True)
     dev = flat_ids.device
     offsets = torch.searchsorted(
@@ -962,10 +969,8 @@ def sort_blocks_torch(flat_ids: torch.Tensor, num_experts: int, bm: int):
     valid = expert < num_experts
     ec = expert.clamp(max=num_experts - 1)
     start = offsets[ec] + (b - (block_end[ec] - n_blocks[ec])) * bm
-    blocks = torch.stack(
-        (torch.where(valid, expert, -1), torch.where(valid, start, 0),
-         torch.where(valid, offsets[ec + 1], 0)), 1,
-    )  # fmt: skip
+    blocks = torch.stack((torch.where(valid, expert, -1), start, offsets[ec + 1]), 1)
+    blocks[:, 1:] *= valid[:, None]  # past the last real block: (-1, 0, 0)
     return order.to(torch.int32), blocks.to(torch.int32).contiguous()
 
 

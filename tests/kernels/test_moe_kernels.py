@@ -191,8 +191,11 @@ SORT_CASES = [  # experts, block rows, pairs, ids drawn below this (ids >= exper
 
 
 def sort_case(experts, bm, pairs, hi, device, seed=0):
+    """Ids drawn from [0, hi), or from [-1, experts] when hi > experts (-1 and experts: in no
+    block)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(-1 if hi > experts else 0, hi, (pairs,), generator=g, dtype=torch.int32)
+    ids = ids.clamp(max=experts)
     ids = ids.to(device)
     assert tk._sort_in_one_launch(ids, experts)
     order, blocks = tk.sort_blocks(ids, experts, bm)
