@@ -395,18 +395,33 @@ def main() -> None:
 
 
 def sort_timings(gen: torch.Generator) -> list[dict]:
-    """`sort_blocks` alone, one launch against the torch ops, per call (graph replay)."""
+    """`sort_blocks` alone, per call (graph replay): the default path (`tk.sort_path`), the
+    three chunked launches forced on, and the torch ops."""
+
+    def chunked(ids, experts, bm):
+        old, tk.SORT_CHUNKED_ON_GPU = tk.SORT_CHUNKED_ON_GPU, True
+        try:
+            return tk.sort_blocks(ids, experts, bm)
+        finally:
+            tk.SORT_CHUNKED_ON_GPU = old
+
     out = []
-    for pairs in (64, 128, 256, 512, 1024, 2048, 4096):
+    for pairs in (64, 128, 256, 512, 1024, 2048, 4096, 16384, 65536):
         for bm in (cd.GROUP, 64):
             sets = [(torch.randint(0, EXPERTS, (pairs,), generator=gen, device="cuda",
                                    dtype=torch.int32),) for _ in range(8)]  # fmt: skip
-            row = dict(pairs=pairs, bm=bm)
-            for name, fn in (("one_launch", tk.sort_blocks), ("torch_ops", tk.sort_blocks_torch)):
+            want = tk.sort_blocks_torch(sets[0][0], EXPERTS, bm)
+            row = dict(pairs=pairs, bm=bm, default_path=tk.sort_path(sets[0][0], EXPERTS))
+            fns = (("default", tk.sort_blocks), ("chunked", chunked),
+                   ("torch_ops", tk.sort_blocks_torch))  # fmt: skip
+            for name, fn in fns:
+                got = fn(sets[0][0], EXPERTS, bm)
+                row[f"{name}_equal"] = all(torch.equal(a, b) for a, b in zip(got, want))
                 row[f"{name}_us"] = time_over(lambda i, fn=fn, bm=bm: fn(i, EXPERTS, bm), sets)
             print(
-                f"sort {pairs:5d} pairs, {bm:3d} rows a block: one launch "
-                f"{row['one_launch_us']:.2f} us, torch ops {row['torch_ops_us']:.2f}",
+                f"sort {pairs:5d} pairs, {bm:3d} rows a block: default ({row['default_path']}) "
+                f"{row['default_us']:.2f} us, chunked {row['chunked_us']:.2f}, torch ops "
+                f"{row['torch_ops_us']:.2f}",
                 flush=True,
             )
             out.append(row)

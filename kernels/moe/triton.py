@@ -34,9 +34,18 @@ from beamfx.ops import Provider
 
 # Pairs (tokens x top-k) up to which programs find their rows by scanning the ids.
 SCAN_MAX_PAIRS = 1024
-# Pairs and experts up to which one program sorts pairs into blocks (`sort_blocks`).
-SORT_MAX_PAIRS = 4096
+# Sorting pairs into blocks (`sort_blocks`, `sort_path`): one program up to
+# SORT_ONE_PROGRAM_PAIRS (3.6-48.6 us at 64-4096 pairs on an H200, bench/NOTES.md MoE run
+# 13); torch ops beyond, or above SORT_MAX_EXPERTS experts. Three launches over chunks of
+# SORT_CHUNK pairs, from more than one chunk while the (chunk, bin) table fits one program
+# (SORT_TABLE_CELLS: 131072 pairs at 256 experts), run under Triton's interpreter and, with
+# SORT_CHUNKED_ON_GPU, on the GPU: not yet run there, so off until the GPU test and timing
+# (`tools/bench_moe.py --group-sweep`) have.
+SORT_ONE_PROGRAM_PAIRS = 4096
+SORT_CHUNK = 1024
+SORT_TABLE_CELLS = 1 << 16
 SORT_MAX_EXPERTS = 1024
+SORT_CHUNKED_ON_GPU = False
 
 
 @dataclass(frozen=True)
@@ -897,6 +906,76 @@ if triton is not None:
         tl.store(blocks_ptr + 3 * j + 1, tl.zeros([NB_PAD], tl.int32), mask=past)
         tl.store(blocks_ptr + 3 * j + 2, tl.zeros([NB_PAD], tl.int32), mask=past)
 
+    @triton.jit
+    def _sort_bins(ids_ptr, c, n, num_experts, CHUNK: tl.constexpr):
+        # Chunk c's pairs as sort bins: 0 below expert 0, e + 1 for expert e, num_experts + 1
+        # from num_experts (in no block), num_experts + 2 past the last pair.
+        i = c * CHUNK + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + i, mask=i < n, other=0)
+        bins = tl.where(ids < 0, 0, tl.minimum(ids, num_experts) + 1)
+        return tl.where(i < n, bins, num_experts + 2)
+
+    @triton.jit
+    def _sort_count_kernel(ids_ptr, hist_ptr, n, num_experts, CHUNK: tl.constexpr,
+                           B_PAD: tl.constexpr):  # fmt: skip
+        # Program c: chunk c's histogram over the bins.
+        c = tl.program_id(0)
+        bins = _sort_bins(ids_ptr, c, n, num_experts, CHUNK)
+        tl.store(hist_ptr + c * B_PAD + tl.arange(0, B_PAD), tl.histogram(bins, B_PAD))
+
+    @triton.jit
+    def _sort_offsets_kernel(
+        hist_ptr, meta_ptr, blocks_ptr, n_chunks, num_experts, n_blocks,
+        BM: tl.constexpr, C_PAD: tl.constexpr, B_PAD: tl.constexpr, NB_PAD: tl.constexpr,
+    ):  # fmt: skip
+        # One program: where each (chunk, bin) starts in the sorted order (bins in order,
+        # chunks in order within a bin), each bin's start and size, each expert's first
+        # block; the blocks past the last real one.
+        c = tl.arange(0, C_PAD)[:, None]
+        b = tl.arange(0, B_PAD)
+        inside = (c < n_chunks) & (b <= num_experts + 1)[None, :]
+        h = tl.load(hist_ptr + c * B_PAD + b[None, :], mask=inside, other=0)
+        total = tl.sum(h, 0)
+        start = tl.cumsum(total, 0) - total
+        base = start[None, :] + tl.cumsum(h, 0) - h
+        tl.store(hist_ptr + c * B_PAD + b[None, :], base, mask=c < n_chunks)
+        n_blk = tl.where((b >= 1) & (b <= num_experts), (total + BM - 1) // BM, 0)
+        tl.store(meta_ptr + b, start)
+        tl.store(meta_ptr + B_PAD + b, total)
+        tl.store(meta_ptr + 2 * B_PAD + b, tl.cumsum(n_blk, 0) - n_blk)
+        j = tl.arange(0, NB_PAD)
+        past = (j >= tl.sum(n_blk, 0)) & (j < n_blocks)
+        tl.store(blocks_ptr + 3 * j, tl.full([NB_PAD], -1, tl.int32), mask=past)
+        tl.store(blocks_ptr + 3 * j + 1, tl.zeros([NB_PAD], tl.int32), mask=past)
+        tl.store(blocks_ptr + 3 * j + 2, tl.zeros([NB_PAD], tl.int32), mask=past)
+
+    @triton.jit
+    def _sort_scatter_kernel(
+        ids_ptr, base_ptr, meta_ptr, order_ptr, blocks_ptr, n, num_experts,
+        BM: tl.constexpr, CHUNK: tl.constexpr, B_PAD: tl.constexpr,
+    ):  # fmt: skip
+        # Program c: chunk c's pairs sorted by (bin, index); a pair's place is its
+        # (chunk, bin)'s start plus its rank in the chunk's run of that bin; a pair at rank
+        # r % BM == 0 of its expert writes the block it starts.
+        c = tl.program_id(0)
+        bins = _sort_bins(ids_ptr, c, n, num_experts, CHUNK)
+        keys = tl.sort(bins * CHUNK + tl.arange(0, CHUNK))
+        kb = keys // CHUNK
+        counts = tl.histogram(bins, B_PAD)
+        rank = tl.arange(0, CHUNK) - tl.gather(tl.cumsum(counts, 0) - counts, kb, 0)
+        keep = kb <= num_experts + 1
+        pos = tl.load(base_ptr + c * B_PAD + kb, mask=keep, other=0) + rank
+        tl.store(order_ptr + pos, c * CHUNK + keys % CHUNK, mask=keep)
+        start = tl.load(meta_ptr + kb, mask=keep, other=0)
+        size = tl.load(meta_ptr + B_PAD + kb, mask=keep, other=0)
+        first_blk = tl.load(meta_ptr + 2 * B_PAD + kb, mask=keep, other=0)
+        r = pos - start
+        starts = (kb >= 1) & (kb <= num_experts) & (r % BM == 0)
+        blk = first_blk + r // BM
+        tl.store(blocks_ptr + 3 * blk, kb - 1, mask=starts)
+        tl.store(blocks_ptr + 3 * blk + 1, pos, mask=starts)
+        tl.store(blocks_ptr + 3 * blk + 2, start + size, mask=starts)
+
 
 def finalize_rows(
     rows: torch.Tensor, topk_weights: torch.Tensor, routed_scale: float
@@ -921,35 +1000,60 @@ def sort_blocks(flat_ids: torch.Tensor, num_experts: int, bm: int):
 
     NB is a bound from shapes alone (no host sync, CUDA-graph safe): one partial block per
     expert plus the full ones; the blocks past the last real one are (-1, 0, 0). Ids outside
-    [0, num_experts) are in no block (sorted first if negative, last if not). One launch
-    (`_sort_blocks_kernel`) up to SORT_MAX_PAIRS pairs and SORT_MAX_EXPERTS experts, else
-    ~10 torch ops; the two give the same tensors (a stable sort; the one launch takes every
-    id below 0 as -1 and every id from num_experts as num_experts, which orders out-of-range
-    ids differently only when they differ among themselves).
+    [0, num_experts) are in no block (sorted first if negative, last if not). Triton kernels
+    (`sort_path`: one launch to SORT_ONE_PROGRAM_PAIRS pairs, three beyond) or ~10 torch
+    ops; all give the same tensors (a stable sort; the kernels take every id below 0 as -1
+    and every id from num_experts as num_experts, which orders out-of-range ids differently
+    only when they differ among themselves).
     """
     n = flat_ids.numel()
     bound = (n + bm - 1) // bm + min(num_experts, n)
-    if _sort_in_one_launch(flat_ids, num_experts):
-        order = torch.empty(n, device=flat_ids.device, dtype=torch.int32)
-        blocks = torch.empty(bound, 3, device=flat_ids.device, dtype=torch.int32)
-        if n:
-            _sort_blocks_kernel[(1,)](
-                flat_ids.to(torch.int32).contiguous(), order, blocks, n, num_experts, bound,
-                BM=bm, N_PAD=triton.next_power_of_2(n),
-                E_PAD=triton.next_power_of_2(num_experts + 1),
-                NB_PAD=triton.next_power_of_2(bound), num_warps=8 if n <= 1024 else 16,
-            )  # fmt: skip
+    path = sort_path(flat_ids, num_experts)
+    if path == "torch":
+        return sort_blocks_torch(flat_ids, num_experts, bm)
+    dev = flat_ids.device
+    ids = flat_ids.to(torch.int32).contiguous()
+    order = torch.empty(n, device=dev, dtype=torch.int32)
+    blocks = torch.empty(bound, 3, device=dev, dtype=torch.int32)
+    if n == 0:
         return order, blocks
-    return sort_blocks_torch(flat_ids, num_experts, bm)
+    nb_pad = triton.next_power_of_2(bound)
+    if path == "one program":
+        _sort_blocks_kernel[(1,)](
+            ids, order, blocks, n, num_experts, bound, BM=bm, N_PAD=triton.next_power_of_2(n),
+            E_PAD=triton.next_power_of_2(num_experts + 1), NB_PAD=nb_pad,
+            num_warps=8 if n <= 1024 else 16,
+        )  # fmt: skip
+        return order, blocks
+    chunks, b_pad = triton.cdiv(n, SORT_CHUNK), _sort_bins_pad(num_experts)
+    table = torch.empty(chunks * b_pad + 3 * b_pad, device=dev, dtype=torch.int32)
+    hist, meta = table[: chunks * b_pad], table[chunks * b_pad :]
+    _sort_count_kernel[(chunks,)](ids, hist, n, num_experts, CHUNK=SORT_CHUNK, B_PAD=b_pad)
+    _sort_offsets_kernel[(1,)](
+        hist, meta, blocks, chunks, num_experts, bound, BM=bm,
+        C_PAD=triton.next_power_of_2(chunks), B_PAD=b_pad, NB_PAD=nb_pad, num_warps=16,
+    )  # fmt: skip
+    _sort_scatter_kernel[(chunks,)](
+        ids, hist, meta, order, blocks, n, num_experts, BM=bm, CHUNK=SORT_CHUNK, B_PAD=b_pad,
+        num_warps=8,
+    )  # fmt: skip
+    return order, blocks
 
 
-def _sort_in_one_launch(flat_ids: torch.Tensor, num_experts: int) -> bool:
-    return (
-        triton is not None
-        and (flat_ids.is_cuda or _INTERPRET)
-        and flat_ids.numel() <= SORT_MAX_PAIRS
-        and num_experts <= SORT_MAX_EXPERTS
-    )
+def _sort_bins_pad(num_experts: int) -> int:
+    return triton.next_power_of_2(num_experts + 3)  # below 0, experts, from E, padding
+
+
+def sort_path(flat_ids: torch.Tensor, num_experts: int) -> str:
+    """Which `sort_blocks` runs: "one program", "chunked" (three launches) or "torch"."""
+    n = flat_ids.numel()
+    if triton is None or not (flat_ids.is_cuda or _INTERPRET) or num_experts > SORT_MAX_EXPERTS:
+        return "torch"
+    chunks = -(-n // SORT_CHUNK)
+    fits = triton.next_power_of_2(chunks) * _sort_bins_pad(num_experts) <= SORT_TABLE_CELLS
+    if chunks > 1 and fits and (_INTERPRET or SORT_CHUNKED_ON_GPU):
+        return "chunked"
+    return "one program" if n <= SORT_ONE_PROGRAM_PAIRS else "torch"
 
 
 def sort_blocks_torch(flat_ids: torch.Tensor, num_experts: int, bm: int):
@@ -1148,8 +1252,8 @@ def fma_fc2(h, ids, t, k, w2, s2, g2, topk_weights, routed_scale, hidden, cfg: C
     return out
 
 
-LAUNCHES = 2  # per call at <= SCAN_MAX_PAIRS pairs; above, plus the sort (one launch to
-# SORT_MAX_PAIRS, ~10 torch ops beyond)
+LAUNCHES = 2  # per call at <= SCAN_MAX_PAIRS pairs; above, plus the sort (`sort_path`: 1
+# or 3 launches, ~10 torch ops beyond)
 
 
 # --- providers ----------------------------------------------------------------------------

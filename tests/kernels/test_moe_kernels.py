@@ -169,11 +169,13 @@ def test_sort_blocks_covers_every_pair_once():
 
 
 @no_triton
-def test_sort_blocks_one_launch_under_interpreter():
-    """The one-launch sort (Triton's interpreter) gives the torch ops' tensors exactly."""
+def test_sort_blocks_kernels_under_interpreter():
+    """The Triton sorts (Triton's interpreter) give the torch ops' tensors exactly: one
+    program, and the three chunked launches (chunks of 64 pairs here, so that the
+    interpreter's slow `tl.sort` sees many chunks in little time)."""
     code = (
         "import tests.kernels.test_moe_kernels as t\n"
-        "for e, bm, n, hi in t.SORT_CASES: print(t.sort_case(e, bm, n, hi, 'cpu'))"
+        "for e, bm, n, hi, path in t.SORT_CASES: print(t.sort_case(e, bm, n, hi, 'cpu', path))"
     )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -181,28 +183,34 @@ def test_sort_blocks_one_launch_under_interpreter():
         [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True
     )
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
-    assert run.stdout.split() == ["one-launch"] * len(SORT_CASES), run.stdout
+    assert run.stdout.split() == [c[-1].replace(" ", "-") for c in SORT_CASES], run.stdout
 
 
-SORT_CASES = [  # experts, block rows, pairs, ids drawn below this (ids >= experts: no expert)
-    (1, 8, 1, 1), (4, 4, 10, 4), (16, 8, 3, 16), (8, 16, 100, 9), (256, 8, 512, 256),
-    (256, 8, 64, 2), (255, 64, 300, 255), (1024, 8, 33, 1030), (3, 128, 1040, 3),
+SORT_CASES = [  # experts, block rows, pairs, ids below this (>= experts: no expert), path
+    (1, 8, 1, 1, "one program"), (4, 4, 10, 4, "one program"), (16, 8, 3, 16, "one program"),
+    (8, 16, 100, 9, "one program"), (256, 8, 512, 256, "one program"),
+    (256, 8, 64, 2, "one program"), (255, 64, 300, 255, "one program"),
+    (1024, 8, 33, 1030, "one program"), (3, 128, 1040, 3, "chunked"),
+    (256, 8, 700, 257, "chunked"), (5, 8, 65, 6, "chunked"), (300, 64, 2000, 301, "chunked"),
+    (2, 8, 129, 3, "chunked"),
 ]  # fmt: skip
 
 
-def sort_case(experts, bm, pairs, hi, device, seed=0):
+def sort_case(experts, bm, pairs, hi, device, path, seed=0):
     """Ids drawn from [0, hi), or from [-1, experts] when hi > experts (-1 and experts: in no
-    block)."""
+    block). Under the interpreter, chunks of 64 pairs from 65 pairs on."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(-1 if hi > experts else 0, hi, (pairs,), generator=g, dtype=torch.int32)
     ids = ids.clamp(max=experts)
     ids = ids.to(device)
-    assert tk._sort_in_one_launch(ids, experts)
+    if device == "cpu" and path == "chunked":
+        tk.SORT_ONE_PROGRAM_PAIRS = tk.SORT_CHUNK = 64
+    assert tk.sort_path(ids, experts) == path
     order, blocks = tk.sort_blocks(ids, experts, bm)
     want = tk.sort_blocks_torch(ids, experts, bm)
     assert torch.equal(order, want[0]) and torch.equal(blocks, want[1]), (experts, bm, pairs)
     check_sort_blocks(order.cpu(), blocks.cpu(), ids.cpu(), experts, bm)
-    return "one-launch"
+    return path.replace(" ", "-")
 
 
 # --- CPU: grouped_mm path, provider gating ------------------------------------------------
@@ -388,11 +396,19 @@ def test_combine_is_repeatable_gpu():
 @given(
     experts=st.sampled_from([1, 8, 256, 257, 1024]),
     bm=st.sampled_from([8, 64, 128]),
-    pairs=st.integers(1, tk.SORT_MAX_PAIRS),
+    pairs=st.one_of(st.integers(1, tk.SORT_ONE_PROGRAM_PAIRS), st.integers(1, 1 << 17)),
+    chunked=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_sort_blocks_one_launch_gpu(experts, bm, pairs, seed):
-    sort_case(experts, bm, pairs, experts + 1, "cuda", seed)
+def test_sort_blocks_kernels_gpu(experts, bm, pairs, chunked, seed):
+    """Either Triton sort (the chunked one forced on) against the torch ops."""
+    old, tk.SORT_CHUNKED_ON_GPU = tk.SORT_CHUNKED_ON_GPU, chunked
+    try:
+        path = tk.sort_path(torch.empty(pairs, device="cuda"), experts)
+        if path != "torch":
+            sort_case(experts, bm, pairs, experts + 1, "cuda", path, seed)
+    finally:
+        tk.SORT_CHUNKED_ON_GPU = old
 
 
 @gpu
