@@ -169,6 +169,24 @@ def test_sort_blocks_covers_every_pair_once():
 
 
 @no_triton
+@pytest.mark.skipif(tk._INTERPRET, reason="the GPU's dispatch, outside the interpreter")
+def test_sort_path_on_the_gpu(monkeypatch):
+    """Which sort a CUDA tensor gets (fake CUDA tensors: no GPU needed): one program to
+    SORT_ONE_PROGRAM_PAIRS, then torch; the chunked launches only when turned on."""
+    with FakeTensorMode():
+        ids = {n: torch.empty(n, dtype=torch.int32, device="cuda") for n in (64, 4096, 4097)}
+        big = torch.empty(1 << 17, dtype=torch.int32, device="cuda")
+        bigger = torch.empty((1 << 17) + 1, dtype=torch.int32, device="cuda")
+    assert tk.sort_path(ids[64], 256) == tk.sort_path(ids[4096], 256) == "one program"
+    assert tk.sort_path(ids[4097], 256) == tk.sort_path(ids[64], 1025) == "torch"
+    assert tk.sort_path(torch.empty(64, dtype=torch.int32), 256) == "torch"  # CPU
+    monkeypatch.setattr(tk, "SORT_CHUNKED_ON_GPU", True)
+    assert tk.sort_path(ids[64], 256) == "one program"
+    assert tk.sort_path(ids[4097], 256) == tk.sort_path(big, 256) == "chunked"
+    assert tk.sort_path(bigger, 256) == "torch"  # the (chunk, bin) table would not fit
+
+
+@no_triton
 def test_sort_blocks_kernels_under_interpreter():
     """The Triton sorts (Triton's interpreter) give the torch ops' tensors exactly: one
     program, and the three chunked launches (chunks of 64 pairs here, so that the
