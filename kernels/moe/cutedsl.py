@@ -112,7 +112,7 @@ FEW_CTAS = 512  # FC1 below this many CTAs (one TP8 rank at a token: 192) splits
 def pick_config(
     pairs: int, hidden: int, inter: int, top_k: int, grouped: bool | None = None
 ) -> Config:
-    """Measured on an H200 (bench/NOTES.md, MoE run 9): four chunks in flight a lane,
+    """Measured on an H200 (bench/NOTES.md, MoE runs 9, 12, 13): four chunks in flight a lane,
     FC1 on 4 warps (8 where there are few CTAs), FC2 one warp an expert; blocks of pairs
     sharing an expert from GROUP_MIN_PAIRS on wide experts (or GROUP_MIN_PAIRS_NARROW).
     Programmatic dependent launch where FC2 loads all its weights before it waits (it
