@@ -869,6 +869,20 @@ if triton is not None:
         tl.store(out_ptr + t * hidden + cols, out, mask=cols < hidden)
 
     @triton.jit
+    def _store_blocks(blocks_ptr, b, expert, start, end, mask):
+        # Rows b of blocks [NB, 3] = (expert, start, end), where mask.
+        tl.store(blocks_ptr + 3 * b, expert, mask=mask)
+        tl.store(blocks_ptr + 3 * b + 1, start, mask=mask)
+        tl.store(blocks_ptr + 3 * b + 2, end, mask=mask)
+
+    @triton.jit
+    def _store_padding_blocks(blocks_ptr, real, n_blocks, NB_PAD: tl.constexpr):
+        # The blocks after the `real` ones, up to the bound n_blocks: (-1, 0, 0).
+        j = tl.arange(0, NB_PAD)
+        zero = tl.zeros([NB_PAD], tl.int32)
+        _store_blocks(blocks_ptr, j, zero - 1, zero, zero, (j >= real) & (j < n_blocks))
+
+    @triton.jit
     def _sort_blocks_kernel(
         ids_ptr, order_ptr, blocks_ptr, n, num_experts, n_blocks,
         BM: tl.constexpr, N_PAD: tl.constexpr, E_PAD: tl.constexpr, NB_PAD: tl.constexpr,
@@ -897,14 +911,8 @@ if triton is not None:
         rank = i - run
         b = tl.gather(first_blk, ec, 0) + rank // BM
         starts = valid & (rank % BM == 0)
-        tl.store(blocks_ptr + 3 * b, e, mask=starts)
-        tl.store(blocks_ptr + 3 * b + 1, i, mask=starts)
-        tl.store(blocks_ptr + 3 * b + 2, end, mask=starts)
-        j = tl.arange(0, NB_PAD)
-        past = (j >= tl.sum(n_blk, 0)) & (j < n_blocks)
-        tl.store(blocks_ptr + 3 * j, tl.full([NB_PAD], -1, tl.int32), mask=past)
-        tl.store(blocks_ptr + 3 * j + 1, tl.zeros([NB_PAD], tl.int32), mask=past)
-        tl.store(blocks_ptr + 3 * j + 2, tl.zeros([NB_PAD], tl.int32), mask=past)
+        _store_blocks(blocks_ptr, b, e, i, end, starts)
+        _store_padding_blocks(blocks_ptr, tl.sum(n_blk, 0), n_blocks, NB_PAD)
 
     @triton.jit
     def _sort_bins(ids_ptr, c, n, num_experts, CHUNK: tl.constexpr):
@@ -943,11 +951,7 @@ if triton is not None:
         tl.store(meta_ptr + b, start)
         tl.store(meta_ptr + B_PAD + b, total)
         tl.store(meta_ptr + 2 * B_PAD + b, tl.cumsum(n_blk, 0) - n_blk)
-        j = tl.arange(0, NB_PAD)
-        past = (j >= tl.sum(n_blk, 0)) & (j < n_blocks)
-        tl.store(blocks_ptr + 3 * j, tl.full([NB_PAD], -1, tl.int32), mask=past)
-        tl.store(blocks_ptr + 3 * j + 1, tl.zeros([NB_PAD], tl.int32), mask=past)
-        tl.store(blocks_ptr + 3 * j + 2, tl.zeros([NB_PAD], tl.int32), mask=past)
+        _store_padding_blocks(blocks_ptr, tl.sum(n_blk, 0), n_blocks, NB_PAD)
 
     @triton.jit
     def _sort_scatter_kernel(
@@ -972,9 +976,7 @@ if triton is not None:
         r = pos - start
         starts = (kb >= 1) & (kb <= num_experts) & (r % BM == 0)
         blk = first_blk + r // BM
-        tl.store(blocks_ptr + 3 * blk, kb - 1, mask=starts)
-        tl.store(blocks_ptr + 3 * blk + 1, pos, mask=starts)
-        tl.store(blocks_ptr + 3 * blk + 2, start + size, mask=starts)
+        _store_blocks(blocks_ptr, blk, kb - 1, pos, start + size, starts)
 
 
 def finalize_rows(
