@@ -345,10 +345,21 @@ def main() -> None:
         action="store_true",
         help="CuTeDSL per pair against blocks of pairs, and the sort alone (one launch or torch)",
     )
+    ap.add_argument("--sort", action="store_true", help="only time the sort into blocks")
     ap.add_argument("--shapes", nargs="*", choices=list(SHAPES), help="shapes (default: all)")
     args = ap.parse_args()
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
+    if args.sort:
+        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                    triton=triton.__version__, python=platform.python_version(),
+                    date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                    timing="CUDA-graph replay median per call over 8 id sets",
+                    experts=EXPERTS)  # fmt: skip
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "moe_sort.json"), "w") as f:
+            json.dump(dict(meta=meta, rows=sort_timings(gen)), f, indent=1)
+        return
     bw, mm = copy_bandwidth(), matmul_rate()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
     rows, sweeps = [], []

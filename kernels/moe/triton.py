@@ -34,18 +34,18 @@ from beamfx.ops import Provider
 
 # Pairs (tokens x top-k) up to which programs find their rows by scanning the ids.
 SCAN_MAX_PAIRS = 1024
-# Sorting pairs into blocks (`sort_blocks`, `sort_path`): one program up to
-# SORT_ONE_PROGRAM_PAIRS (3.6-48.6 us at 64-4096 pairs on an H200, bench/NOTES.md MoE run
-# 13); torch ops beyond, or above SORT_MAX_EXPERTS experts. Three launches over chunks of
-# SORT_CHUNK pairs, from more than one chunk while the (chunk, bin) table fits one program
-# (SORT_TABLE_CELLS: 131072 pairs at 256 experts), run under Triton's interpreter and, with
-# SORT_CHUNKED_ON_GPU, on the GPU: not yet run there, so off until the GPU test and timing
-# (`tools/bench_moe.py --group-sweep`) have.
+# Sorting pairs into blocks (`sort_blocks`, `sort_path`): one program for one chunk
+# (SORT_CHUNK pairs; 3.6-7.9 us at 64-1024 pairs on an H200, bench/NOTES.md MoE run 13), three
+# launches over chunks beyond while the (chunk, bin) table fits one program (SORT_TABLE_CELLS:
+# 131072 pairs at 256 experts; 12.6-22.7 us at 2048-65536 pairs against the torch ops' 67-95,
+# run 16), the torch ops beyond that or above SORT_MAX_EXPERTS experts. SORT_CHUNKED_ON_GPU
+# off gives the one program up to SORT_ONE_PROGRAM_PAIRS instead (16.3 us at 2048 pairs,
+# 48.6 at 4096).
 SORT_ONE_PROGRAM_PAIRS = 4096
 SORT_CHUNK = 1024
 SORT_TABLE_CELLS = 1 << 16
 SORT_MAX_EXPERTS = 1024
-SORT_CHUNKED_ON_GPU = False
+SORT_CHUNKED_ON_GPU = True
 
 
 @dataclass(frozen=True)

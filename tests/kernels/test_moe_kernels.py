@@ -171,19 +171,24 @@ def test_sort_blocks_covers_every_pair_once():
 @no_triton
 @pytest.mark.skipif(tk._INTERPRET, reason="the GPU's dispatch, outside the interpreter")
 def test_sort_path_on_the_gpu(monkeypatch):
-    """Which sort a CUDA tensor gets (fake CUDA tensors: no GPU needed): one program to
-    SORT_ONE_PROGRAM_PAIRS, then torch; the chunked launches only when turned on."""
+    """Which sort a CUDA tensor gets (fake CUDA tensors: no GPU needed): one program for one
+    chunk, the chunked launches while their table fits, then torch; with the chunked
+    launches turned off, one program to SORT_ONE_PROGRAM_PAIRS."""
     with FakeTensorMode():
-        ids = {n: torch.empty(n, dtype=torch.int32, device="cuda") for n in (64, 4096, 4097)}
+        ids = {
+            n: torch.empty(n, dtype=torch.int32, device="cuda")
+            for n in (64, 1024, 1025, 4096, 4097)
+        }
         big = torch.empty(1 << 17, dtype=torch.int32, device="cuda")
         bigger = torch.empty((1 << 17) + 1, dtype=torch.int32, device="cuda")
-    assert tk.sort_path(ids[64], 256) == tk.sort_path(ids[4096], 256) == "one program"
-    assert tk.sort_path(ids[4097], 256) == tk.sort_path(ids[64], 1025) == "torch"
-    assert tk.sort_path(torch.empty(64, dtype=torch.int32), 256) == "torch"  # CPU
-    monkeypatch.setattr(tk, "SORT_CHUNKED_ON_GPU", True)
-    assert tk.sort_path(ids[64], 256) == "one program"
-    assert tk.sort_path(ids[4097], 256) == tk.sort_path(big, 256) == "chunked"
+    assert tk.sort_path(ids[64], 256) == tk.sort_path(ids[1024], 256) == "one program"
+    assert tk.sort_path(ids[1025], 256) == tk.sort_path(big, 256) == "chunked"
     assert tk.sort_path(bigger, 256) == "torch"  # the (chunk, bin) table would not fit
+    assert tk.sort_path(ids[64], 1025) == "torch"  # too many experts
+    assert tk.sort_path(torch.empty(64, dtype=torch.int32), 256) == "torch"  # CPU
+    monkeypatch.setattr(tk, "SORT_CHUNKED_ON_GPU", False)
+    assert tk.sort_path(ids[1025], 256) == tk.sort_path(ids[4096], 256) == "one program"
+    assert tk.sort_path(ids[4097], 256) == tk.sort_path(big, 256) == "torch"
 
 
 @no_triton
@@ -419,7 +424,7 @@ def test_combine_is_repeatable_gpu():
     seed=st.integers(0, 2**16),
 )
 def test_sort_blocks_kernels_gpu(experts, bm, pairs, chunked, seed):
-    """Either Triton sort (the chunked one forced on) against the torch ops."""
+    """Either Triton sort (the chunked one on or off) against the torch ops."""
     old, tk.SORT_CHUNKED_ON_GPU = tk.SORT_CHUNKED_ON_GPU, chunked
     try:
         path = tk.sort_path(torch.empty(pairs, device="cuda"), experts)
