@@ -16,7 +16,8 @@ this run); kernel launches per call (torch.profiler: device kernels and memsets 
 eager call); the logits' error against fp64 and the tokens whose experts differ from the
 reference.
 
-    python tools/bench_router.py [--out DIR] [--sweep] [--cutedsl-sweep]
+    python tools/bench_router.py [--out DIR] [--sweep] [--cutedsl-sweep] [--broadcast-sweep]
+        [--broadcast-confirm]
 """
 
 from __future__ import annotations
@@ -279,6 +280,104 @@ def gemv_sweep(weights, bias, tokens_list=GEMV_TOKENS) -> list[dict]:
     return out
 
 
+BROADCAST_TOKENS = (1, 2, 4, 8, 16, 32)
+
+
+def broadcast_sweep(weights, bias, tokens_list=BROADCAST_TOKENS) -> list[dict]:
+    """The whole-row kernel with each row loaded once and the product broadcast
+    (`GemvConfig.broadcast`) over experts a program x warps, the token tile covering every
+    token (16 at most), beside the provider's logits and the pair-per-row whole-row tiling
+    of the same count; then the fastest broadcast tiling with the routing kernel behind it,
+    beside the provider's router + routing. The provider's logits timed first and last (drift)."""
+    out = []
+    for tokens in tokens_list:
+        xs = [torch.randn(tokens, HIDDEN, device="cuda").to(torch.bfloat16) for _ in weights]
+        sets = [(x, w) for x, w in zip(xs, weights)]
+        x0, w0 = sets[0]
+        block_t = min(16, triton.next_power_of_2(tokens))
+        pair = next(c for bound, c in rt.GEMV_CONFIGS if min(tokens, 16) <= bound)
+        cases = [
+            ("provider logits", lambda x, w: ops.router_gemm(x, w)),
+            (f"pair rows {pair!r}", lambda x, w, c=pair: rt.router_gemm(x, w, config=c)),
+        ]
+        configs = [rt.GemvConfig(block_e, block_t, 4096, warps, one_shot=True, pdl=True,
+                                 broadcast=True)
+                   for block_e in (1, 2, 4) for warps in (4, 8, 16)]  # fmt: skip
+        cases += [(repr(c), lambda x, w, c=c: rt.router_gemm(x, w, config=c)) for c in configs]
+        cases.append(("provider logits, again", cases[0][1]))
+        timed = []
+        for name, fn in cases:
+            try:
+                err, off = logits_errors(fn(x0, w0), x0, w0)
+                us = time_per_call(fn, sets)
+            except Exception as exc:  # over the chip's limits: record, go on
+                print(f"  {tokens} {name}: {type(exc).__name__}: {exc}"[:300], flush=True)
+                continue
+            row = dict(tokens=tokens, kernel=name, us=round(us, 2), rel_err=float(f"{err:.2e}"),
+                       off_1e_5=off)  # fmt: skip
+            out.append(row)
+            print(row, flush=True)
+            if "broadcast=True" in name and off == 0:
+                timed.append((us, name, fn))
+        _, ref_ids = reference.routed_topk(x0, w0, bias, TOP_K, N_GROUP, TOPK_GROUP, True)
+        routed = [
+            (
+                "provider router + routing",
+                lambda x, w: ops.routed_topk(x, w, bias, TOP_K, N_GROUP, TOPK_GROUP, True),
+            )
+        ]
+        if timed:
+            best = min(timed, key=lambda t: t[0])[1]
+            cfg = next(c for c in configs if repr(c) == best)
+            routed.append((f"{best} + routing kernel",
+                           lambda x, w, c=cfg: routing(x, w, bias, False, c)))  # fmt: skip
+        for name, fn in routed:
+            _, ids = fn(x0, w0)
+            differ = int((ids.sort(1).values != ref_ids.sort(1).values).any(1).sum())
+            row = dict(tokens=tokens, kernel=name, routed=True,
+                       us=round(time_per_call(fn, sets), 2), ids_differ=differ)  # fmt: skip
+            out.append(row)
+            print(row, flush=True)
+    return out
+
+
+# The whole-row tilings with a (token, expert) pair a row: the defaults before router run
+# 13; and the two fastest broadcast tilings of that run's sweep, per token count.
+PAIR_ROWS = {
+    1: rt.GemvConfig(2, 1, 4096, 8, one_shot=True, pdl=True),
+    2: rt.GemvConfig(1, 2, 4096, 16, one_shot=True, pdl=True),
+    4: rt.GemvConfig(1, 4, 4096, 8, one_shot=True, pdl=True),
+    8: rt.GemvConfig(1, 8, 512, 8, pdl=True),
+}
+_B = dict(block_k=4096, one_shot=True, pdl=True, broadcast=True)
+BROADCAST_FINALISTS = {
+    1: [rt.GemvConfig(4, 1, num_warps=4, **_B), rt.GemvConfig(2, 1, num_warps=8, **_B)],
+    2: [rt.GemvConfig(4, 2, num_warps=4, **_B), rt.GemvConfig(4, 2, num_warps=8, **_B)],
+    4: [rt.GemvConfig(2, 4, num_warps=4, **_B), rt.GemvConfig(4, 4, num_warps=4, **_B)],
+    8: [rt.GemvConfig(2, 8, num_warps=4, **_B), rt.GemvConfig(2, 8, num_warps=8, **_B)],
+}
+
+
+def broadcast_confirm(weights, gen, rounds: int = 5) -> list[dict]:
+    """The sweep's finalists against the pair-row tilings and the provider, interleaved over
+    `rounds` rounds (each row: the median round and all of them)."""
+    out = []
+    for tokens, finalists in BROADCAST_FINALISTS.items():
+        xs = [torch.randn(tokens, HIDDEN, generator=gen, device="cuda").bfloat16() for _ in weights]
+        sets = list(zip(xs, weights))
+        fns = {"provider": lambda x, w: ops.router_gemm(x, w)}
+        for name, c in [("pair rows", PAIR_ROWS[tokens])] + [(repr(c), c) for c in finalists]:
+            fns[name] = lambda x, w, c=c: rt.router_gemm(x, w, config=c)
+        times = {k: [] for k in fns}
+        for _ in range(rounds):
+            for k, fn in fns.items():
+                times[k].append(round(time_per_call(fn, sets), 3))
+        for k, v in times.items():
+            out.append(dict(tokens=tokens, kernel=k, us=sorted(v)[len(v) // 2], rounds=v))
+            print(out[-1], flush=True)
+    return out
+
+
 SPLIT_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -376,6 +475,10 @@ def main() -> None:
                     help="after --split-sweep, run the table with the sweep's winners")  # fmt: skip
     ap.add_argument("--cutedsl-sweep", action="store_true",
                     help="only time the CuTeDSL kernel's configs")  # fmt: skip
+    ap.add_argument("--broadcast-sweep", action="store_true",
+                    help="only time the whole-row kernel's broadcast tilings")  # fmt: skip
+    ap.add_argument("--broadcast-confirm", action="store_true",
+                    help="only time the broadcast sweep's finalists, interleaved")  # fmt: skip
     ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -406,6 +509,24 @@ def main() -> None:
         with open(os.path.join(args.out, "router_gemv_sweep.json"), "w") as f:
             tokens = [t for t in args.tokens if t in GEMV_TOKENS]
             json.dump(dict(meta=meta, rows=gemv_sweep(weights, bias, tokens)), f, indent=1)
+        return
+    if args.broadcast_confirm:
+        meta = stamp(timing=f"CUDA-graph replay median per call over {N_WEIGHTS} rotating "
+                     "weights; five rounds, interleaved")  # fmt: skip
+        with open(os.path.join(args.out, "router_broadcast_confirm.json"), "w") as f:
+            json.dump(dict(meta=meta, rows=broadcast_confirm(weights, gen)), f, indent=1)
+        return
+    if args.broadcast_sweep:
+        meta = stamp(
+            timing=f"CUDA-graph replay median per call over {N_WEIGHTS} rotating weights",
+            copy_bandwidth_GBps=round(bw / 1e9, 1),
+            floor_us=round(floor_us, 3),
+            cutlass_dsl=package_version("nvidia-cutlass-dsl"),
+        )
+        bias = torch.randn(EXPERTS, generator=gen, device="cuda") * 0.05
+        tokens = [t for t in args.tokens if t in BROADCAST_TOKENS]
+        with open(os.path.join(args.out, "router_broadcast_sweep.json"), "w") as f:
+            json.dump(dict(meta=meta, rows=broadcast_sweep(weights, bias, tokens)), f, indent=1)
         return
     if args.split_sweep:
         meta = stamp(

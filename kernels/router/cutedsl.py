@@ -37,9 +37,10 @@ from beamfx.kernels.moe import cutedsl as moe_cutedsl
 from beamfx.ops import Provider
 
 MAX_TOKENS = 64  # 8 MMA column tiles of 8 tokens
-# Where the Triton kernels are faster on an H200 (bench/NOTES.md, router run 11): logits
-# below 8 tokens (the whole-row kernel), logits + routing below 8 and above 32 tokens.
-LOGITS_MIN_TOKENS = 8
+# Where the Triton kernels are faster on an H200 (bench/NOTES.md, router runs 11 and 13):
+# logits to 8 tokens (the whole-row kernel, 4.27 against 4.80 us at 8), logits + routing
+# below 8 and above 32 tokens.
+LOGITS_MIN_TOKENS = 9
 ROUTED_MIN_TOKENS = 8
 ROUTED_MAX_TOKENS = 32
 MAX_STEPS = 8  # 32-wide K steps a warp holds in flight (registers)

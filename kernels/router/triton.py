@@ -486,6 +486,45 @@ if triton is not None:
             other=0.0,
         ).to(tl.float32)
 
+    @triton.jit
+    def _gemv_broadcast(
+        x_ptr,
+        w_ptr,
+        t,
+        e,
+        n_tokens,
+        n_experts,
+        HIDDEN: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_B: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        """logits[t, e] over the whole row: each weight row and each activation row loaded
+        once, as [1, E, K] and [T, 1, K] tiles of one layout (four K a thread), so the
+        product [T, E, K] is a broadcast in registers. The weight is read before the
+        programmatic-dependent-launch wait."""
+        t3 = t[:, None, None]
+        e3 = e[None, :, None]
+        ka = tl.max_contiguous(tl.arange(0, BLOCK_K), 4)[None, None, :]
+        w_ok = e3 < n_experts
+        x_ok = t3 < n_tokens
+        wa = tl.load(w_ptr + e3.to(tl.int64) * HIDDEN + ka, mask=w_ok & (ka < HIDDEN), other=0.0,
+                     eviction_policy="evict_first")  # fmt: skip
+        if BLOCK_B > 0:
+            kb = tl.max_contiguous(BLOCK_K + tl.arange(0, BLOCK_B), 4)[None, None, :]
+            wb = tl.load(w_ptr + e3.to(tl.int64) * HIDDEN + kb, mask=w_ok & (kb < HIDDEN),
+                         other=0.0, eviction_policy="evict_first")  # fmt: skip
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        xa = tl.load(x_ptr + t3.to(tl.int64) * HIDDEN + ka, mask=x_ok & (ka < HIDDEN), other=0.0)
+        logits = tl.sum(xa.to(tl.float32) * wa.to(tl.float32), axis=2)
+        if BLOCK_B > 0:
+            xb = tl.load(x_ptr + t3.to(tl.int64) * HIDDEN + kb, mask=x_ok & (kb < HIDDEN),
+                         other=0.0)  # fmt: skip
+            logits += tl.sum(xb.to(tl.float32) * wb.to(tl.float32), axis=2)
+        return logits
+
     @triton.jit(do_not_specialize=["n_tokens"])
     def _router_gemv_kernel(
         x_ptr,
@@ -503,6 +542,7 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         BLOCK_B: tl.constexpr,
         ONE_SHOT: tl.constexpr,
+        BROADCAST: tl.constexpr,
         PDL: tl.constexpr,
         ROUTE: tl.constexpr,
         E_ROUTE: tl.constexpr,
@@ -519,6 +559,8 @@ if triton is not None:
         # ONE_SHOT holds the whole row (a BLOCK_K tile + a BLOCK_B tile) and, with PDL
         # (programmatic dependent launch), reads it before waiting for the kernel that
         # writes x: the weight read overlaps that kernel's tail.
+        # BROADCAST (with ONE_SHOT): each row loaded once, the [tokens x experts] product a
+        # broadcast in registers (`_gemv_broadcast`), not one (token, expert) pair a row.
         pid_e = tl.program_id(0)
         pid_t = tl.program_id(2)
         R: tl.constexpr = BLOCK_E * BLOCK_T
@@ -527,7 +569,14 @@ if triton is not None:
         t = pid_t * BLOCK_T + rows // BLOCK_E
         e_ok = e < n_experts
         t_ok = t < n_tokens
-        if ONE_SHOT:
+        if BROADCAST:
+            tb = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+            eb = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+            lg = _gemv_broadcast(x_ptr, w_ptr, tb, eb, n_tokens, n_experts, HIDDEN, BLOCK_K,
+                                 BLOCK_B, PDL)  # fmt: skip
+            tl.store(out_ptr + tb[:, None] * n_experts + eb[None, :], lg,
+                     mask=(tb[:, None] < n_tokens) & (eb[None, :] < n_experts))  # fmt: skip
+        elif ONE_SHOT:
             ka = tl.arange(0, BLOCK_K)
             kb = BLOCK_K + tl.arange(0, BLOCK_B if BLOCK_B > 0 else 1)
             wa = _gemv_w(w_ptr, e, e_ok, ka, HIDDEN)
@@ -549,7 +598,8 @@ if triton is not None:
                 k = k0 + tl.arange(0, BLOCK_K)
                 acc += _gemv_x(x_ptr, t, t_ok, k, HIDDEN) * _gemv_w(w_ptr, e, e_ok, k, HIDDEN)
             logits = tl.sum(acc, axis=1)
-        tl.store(out_ptr + t * n_experts + e, logits, mask=t_ok & e_ok)
+        if not BROADCAST:
+            tl.store(out_ptr + t * n_experts + e, logits, mask=t_ok & e_ok)
         if ROUTE:
             _route_when_last(
                 out_ptr, bias_ptr, weights_ptr, ids_ptr, route_count_ptr, n_tokens,
@@ -569,6 +619,16 @@ class GemvConfig:
     # Programmatic dependent launch: one_shot reads the weight before waiting for the
     # kernel that writes x; the K loop waits first (only the launch overlaps).
     pdl: bool = False
+    # With one_shot: each weight and activation row loaded once and the product broadcast
+    # in registers, rather than a (token, expert) pair per row (block_e x block_t loads).
+    broadcast: bool = False
+
+    def __post_init__(self):
+        if self.broadcast and not self.one_shot:
+            raise ValueError(
+                f"GemvConfig: broadcast=True needs one_shot=True (got {self!r}); the K loop "
+                "has no broadcast form"
+            )
 
 
 @dataclass(frozen=True)
@@ -645,12 +705,15 @@ FUSED_ROUTING = False
 
 # Few tokens: whole weight rows per program (GemvConfig), by token count (first whose bound
 # holds), up to GEMV_MAX_TOKENS; the split-K MMA kernel above. Measured on an H200
-# (bench/NOTES.md).
+# (bench/NOTES.md, router run 13): each row loaded once and the product broadcast, 4 warps,
+# 2.11 / 2.28 / 3.16 / 4.27 us at 1 / 2 / 4 / 8 tokens against 2.32 / 2.63 / 3.32 / 5.59
+# with a (token, expert) pair a row, which stays at 16 (the broadcast tile: 6.1-13.4 us).
+_WHOLE_ROW = dict(block_k=4096, num_warps=4, one_shot=True, pdl=True, broadcast=True)
 GEMV_CONFIGS: list[tuple[int, GemvConfig]] = [
-    (1, GemvConfig(block_e=2, block_t=1, block_k=4096, num_warps=8, one_shot=True, pdl=True)),
-    (2, GemvConfig(block_e=1, block_t=2, block_k=4096, num_warps=16, one_shot=True, pdl=True)),
-    (4, GemvConfig(block_e=1, block_t=4, block_k=4096, num_warps=8, one_shot=True, pdl=True)),
-    (8, GemvConfig(block_e=1, block_t=8, block_k=512, num_warps=8, pdl=True)),
+    (1, GemvConfig(block_e=4, block_t=1, **_WHOLE_ROW)),
+    (2, GemvConfig(block_e=4, block_t=2, **_WHOLE_ROW)),
+    (4, GemvConfig(block_e=2, block_t=4, **_WHOLE_ROW)),
+    (8, GemvConfig(block_e=2, block_t=8, **_WHOLE_ROW)),
     (16, GemvConfig(block_e=1, block_t=8, block_k=512, num_warps=4, pdl=True)),
 ]
 GEMV_MAX_TOKENS = 16
@@ -915,6 +978,7 @@ def _launch_gemv(x2d, weight, logits, route, config: GemvConfig) -> None:
         BLOCK_K=block_k,
         BLOCK_B=block_b,
         ONE_SHOT=config.one_shot,
+        BROADCAST=config.broadcast,
         PDL=pdl,
         ROUTE=route is not None,
         E_ROUTE=n_experts if route is not None else 1,

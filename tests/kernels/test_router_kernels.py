@@ -164,6 +164,13 @@ def test_kernels_under_triton_interpreter():
 
 
 needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1")
+
+
+def test_gemv_broadcast_needs_the_whole_row():
+    with pytest.raises(ValueError, match="broadcast=True needs one_shot=True"):
+        rt.GemvConfig(2, 8, 512, 8, broadcast=True)
+
+
 SMALL_CONFIGS = [
     rt.GemmConfig(block_e=16, k_chunk=64, block_k=32, num_warps=4),
     rt.GemmConfig(block_e=32, k_chunk=128, block_k=64, num_warps=4),
@@ -174,6 +181,9 @@ SMALL_CONFIGS = [
     rt.GemvConfig(block_e=4, block_t=2, block_k=256, num_warps=2),
     # The whole row at once: two tiles (hidden 200: 128 + 128 padded), or one padded tile.
     rt.GemvConfig(block_e=2, block_t=2, block_k=128, num_warps=4, one_shot=True, pdl=True),
+    # ... each row loaded once, the product broadcast: a tile past the experts and tokens.
+    rt.GemvConfig(2, 4, 128, 4, one_shot=True, pdl=True, broadcast=True),
+    rt.GemvConfig(4, 1, 256, 2, one_shot=True, broadcast=True),
     # Split-K without a fixup: the sum kernel, or the routing kernel, adds the splits; K
     # chunks that do and do not divide hidden, one token tile or several.
     rt.SplitConfig(block_e=16, k_chunk=64, num_warps=4),
@@ -183,6 +193,24 @@ SMALL_CONFIGS = [
     rt.PiecesConfig(block=512),
     rt.PiecesConfig(block=512, k_chunks=4),  # K in 4 chunks where hidden allows
 ]
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    "tokens, hidden, experts, config",
+    [
+        (3, 200, 48, rt.GemvConfig(2, 4, 128, 4, one_shot=True, pdl=True, broadcast=True)),
+        (9, 512, 32, rt.GemvConfig(4, 8, 256, 2, one_shot=True, broadcast=True)),
+        (1, 64, 16, rt.GemvConfig(1, 1, 64, 1, one_shot=True, broadcast=True)),
+    ],
+)
+def test_interpreted_gemv_broadcast(tokens, hidden, experts, config):
+    """Each weight row read once and broadcast over the token tile: every logit written
+    (NaN-filled output), partial token and expert tiles, a second K tile or none."""
+    x, w, _ = make_router(tokens, hidden, experts, torch.float32, "cpu", seed=tokens)
+    logits = torch.full((tokens, experts), float("nan"))
+    rt._launch_gemm(x, w, logits, None, config)
+    check_logits(logits, x, w)
 
 
 @needs_interpreter
@@ -407,6 +435,8 @@ GEMV_CONFIGS = [
     rt.GemvConfig(block_e=2, block_t=4, block_k=512, num_warps=4),
     rt.GemvConfig(block_e=1, block_t=2, block_k=4096, num_warps=8, one_shot=True),
     rt.GemvConfig(block_e=2, block_t=1, block_k=4096, num_warps=16, one_shot=True, pdl=True),
+    rt.GemvConfig(2, 8, 4096, 8, one_shot=True, pdl=True, broadcast=True),
+    rt.GemvConfig(4, 16, 4096, 8, one_shot=True, pdl=True, broadcast=True),
 ]
 
 
