@@ -299,13 +299,15 @@ ROWS_RUN = """\
   itself); experts as in eager (an opaque op), router GEMM on cuBLAS fp32.
 - **beamfx**: `beamfx.compile(passes="all")`: attention gate (Triton), router GEMM with
   routing (one CuTeDSL launch at 8-32 tokens where installed; else Triton: whole rows per
-  program at 1-7 tokens, split-K to 255; from 256 tokens one cuBLAS bf16 GEMM on the fp32
-  weight's three exact bf16 pieces, K in chunks), MegaMoE
+  program at 1-7 tokens, each row loaded once and the product broadcast, split-K to 255;
+  from 256 tokens one cuBLAS bf16 GEMM on the fp32 weight's three exact bf16 pieces, K in
+  chunks), MegaMoE
   (NVFP4 W4A16 up to 512 (token, expert) pairs on Hopper: CuTeDSL tensor-core kernels on
   weights repacked into MMA fragments, per pair with the finalize in FC2, or from 64 pairs
   on wide experts (256 on narrow ones) in blocks of 8 pairs of one expert, sorted into
   blocks by one launch, with a finalize kernel; else Triton,
-  bf16 or NVFP4, FC2 writing k rows and a finalize kernel at sorted-block sizes; bf16 in
+  bf16 or NVFP4, FC2 writing k rows and a finalize kernel at sorted-block sizes, the pairs
+  sorted by three launches over chunks of 1024 beyond 1024 pairs; bf16 in
   128-row blocks with wide tiles once the experts average 128 rows), two fused boundaries
   per layer (Triton), the rest as compile; the boundary, few-token router and routing
   kernels launch with programmatic dependent launch.
