@@ -499,13 +499,18 @@ def main() -> None:
             **more,
         )
 
-    if args.gemv_sweep:
-        meta = stamp(
+    def sweep_stamp(**more) -> dict:
+        return stamp(
             timing=f"CUDA-graph replay median per call over {N_WEIGHTS} rotating weights",
             copy_bandwidth_GBps=round(bw / 1e9, 1),
             floor_us=round(floor_us, 3),
+            **more,
         )
-        bias = torch.randn(EXPERTS, generator=gen, device="cuda") * 0.05
+
+    # The routing bias, drawn right after the weights (the sweeps and the table use it).
+    bias = torch.randn(EXPERTS, generator=gen, device="cuda") * 0.05
+    if args.gemv_sweep:
+        meta = sweep_stamp()
         with open(os.path.join(args.out, "router_gemv_sweep.json"), "w") as f:
             tokens = [t for t in args.tokens if t in GEMV_TOKENS]
             json.dump(dict(meta=meta, rows=gemv_sweep(weights, bias, tokens)), f, indent=1)
@@ -517,25 +522,13 @@ def main() -> None:
             json.dump(dict(meta=meta, rows=broadcast_confirm(weights, gen)), f, indent=1)
         return
     if args.broadcast_sweep:
-        meta = stamp(
-            timing=f"CUDA-graph replay median per call over {N_WEIGHTS} rotating weights",
-            copy_bandwidth_GBps=round(bw / 1e9, 1),
-            floor_us=round(floor_us, 3),
-            cutlass_dsl=package_version("nvidia-cutlass-dsl"),
-        )
-        bias = torch.randn(EXPERTS, generator=gen, device="cuda") * 0.05
+        meta = sweep_stamp(cutlass_dsl=package_version("nvidia-cutlass-dsl"))
         tokens = [t for t in args.tokens if t in BROADCAST_TOKENS]
         with open(os.path.join(args.out, "router_broadcast_sweep.json"), "w") as f:
             json.dump(dict(meta=meta, rows=broadcast_sweep(weights, bias, tokens)), f, indent=1)
         return
     if args.split_sweep:
-        meta = stamp(
-            timing=f"CUDA-graph replay median per call over {N_WEIGHTS} rotating weights",
-            copy_bandwidth_GBps=round(bw / 1e9, 1),
-            floor_us=round(floor_us, 3),
-            topk=hasattr(tl, "topk"),
-        )
-        bias = torch.randn(EXPERTS, generator=gen, device="cuda") * 0.05
+        meta = sweep_stamp(topk=hasattr(tl, "topk"))
         with open(os.path.join(args.out, "router_split_sweep.json"), "w") as f:
             tokens = [t for t in args.tokens if t in SPLIT_TOKENS]
             swept = split_sweep(weights, bias, tokens)
@@ -544,13 +537,7 @@ def main() -> None:
             return
         adopt_sweep(swept)
     if args.cutedsl_sweep:
-        meta = stamp(
-            timing=f"CUDA-graph replay median per call over {N_WEIGHTS} rotating weights",
-            copy_bandwidth_GBps=round(bw / 1e9, 1),
-            floor_us=round(floor_us, 3),
-            cutlass_dsl=package_version("nvidia-cutlass-dsl"),
-        )
-        bias = torch.randn(EXPERTS, generator=gen, device="cuda") * 0.05
+        meta = sweep_stamp(cutlass_dsl=package_version("nvidia-cutlass-dsl"))
         with open(os.path.join(args.out, "router_cutedsl_sweep.json"), "w") as f:
             json.dump(dict(meta=meta, rows=cutedsl_sweep(weights, bias, gen)), f, indent=1)
         return
@@ -563,7 +550,6 @@ def main() -> None:
             json.dump(dict(meta=meta, rows=probe(weights)), f, indent=1)
         return
     weights_bf16 = [w.to(torch.bfloat16) for w in weights]
-    bias = torch.randn(EXPERTS, generator=gen, device="cuda") * 0.05
     # Dynamic token count, as vLLM compiles: one graph for all token counts.
     compiled_logits = torch.compile(reference.router_logits, dynamic=True)
     compiled_routed = torch.compile(reference.routed_topk, dynamic=True)
