@@ -37,7 +37,7 @@ SCAN_MAX_PAIRS = 1024
 # Sorting pairs into blocks (`sort_blocks`, `sort_path`): one program for one chunk
 # (SORT_CHUNK pairs; 3.6-7.9 us at 64-1024 pairs on an H200, bench/NOTES.md MoE run 13), three
 # launches over chunks beyond while the (chunk, bin) table fits one program (SORT_TABLE_CELLS:
-# 131072 pairs at 256 experts; 12.6-22.7 us at 2048-65536 pairs against the torch ops' 67-95,
+# 131072 pairs at 256 experts; 12.8-22.7 us at 2048-65536 pairs against the torch ops' 70-95,
 # run 16), the torch ops beyond that or above SORT_MAX_EXPERTS experts. SORT_CHUNKED_ON_GPU
 # off gives the one program up to SORT_ONE_PROGRAM_PAIRS instead (16.3 us at 2048 pairs,
 # 48.6 at 4096).
