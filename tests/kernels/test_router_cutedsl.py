@@ -79,8 +79,8 @@ def test_routing_layouts(args, expected):
 
 @pytest.mark.parametrize(
     "tokens, gemm, routed",
-    [(1, False, False), (4, False, False), (8, True, True), (32, True, True), (33, True, False),
-     (64, True, False), (65, False, False)],
+    [(1, False, False), (4, False, False), (8, False, True), (9, True, True), (32, True, True),
+     (33, True, False), (64, True, False), (65, False, False)],
 )  # fmt: skip
 def test_token_ranges_where_the_kernel_serves(tokens, gemm, routed, monkeypatch):
     monkeypatch.setattr(rc, "why_not_device", lambda device: None)  # as on a Hopper GPU
