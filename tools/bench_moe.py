@@ -351,11 +351,8 @@ def main() -> None:
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
     if args.sort:
-        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                    triton=triton.__version__, python=platform.python_version(),
-                    date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                    timing="CUDA-graph replay median per call over 8 id sets",
-                    experts=EXPERTS)  # fmt: skip
+        meta = run_meta(timing="CUDA-graph replay median per call over 8 id sets",
+                        experts=EXPERTS)  # fmt: skip
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "moe_sort.json"), "w") as f:
             json.dump(dict(meta=meta, rows=sort_timings(gen)), f, indent=1)
@@ -375,14 +372,7 @@ def main() -> None:
                 else "group" if args.group_sweep else None,
             )  # fmt: skip
             torch.cuda.empty_cache()
-    meta = dict(
-        device=torch.cuda.get_device_name(),
-        capability=list(torch.cuda.get_device_capability()),
-        torch=torch.__version__,
-        triton=triton.__version__,
-        nvidia_cutlass_dsl=package_version("nvidia-cutlass-dsl") or "absent",
-        python=platform.python_version(),
-        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    meta = run_meta(
         copy_bandwidth_GBps=bw / 1e9,
         bf16_matmul_TFLOPs=mm / 1e12,
         launches_per_call=f"{tk.LAUNCHES} (NVFP4/bf16 Triton, <= {tk.SCAN_MAX_PAIRS} pairs); "
@@ -405,16 +395,34 @@ def main() -> None:
     print(table)
 
 
+def run_meta(**more) -> dict:
+    """The device, the versions and the date of a run, and `more`."""
+    return dict(
+        device=torch.cuda.get_device_name(),
+        capability=list(torch.cuda.get_device_capability()),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        nvidia_cutlass_dsl=package_version("nvidia-cutlass-dsl") or "absent",
+        python=platform.python_version(),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **more,
+    )
+
+
 def sort_timings(gen: torch.Generator) -> list[dict]:
     """`sort_blocks` alone, per call (graph replay): the default path (`tk.sort_path`), the
-    three chunked launches forced on, and the torch ops."""
+    three chunked launches forced on, the chunked launches off (one program, or the torch
+    ops past SORT_ONE_PROGRAM_PAIRS), and the torch ops."""
 
-    def chunked(ids, experts, bm):
-        old, tk.SORT_CHUNKED_ON_GPU = tk.SORT_CHUNKED_ON_GPU, True
-        try:
-            return tk.sort_blocks(ids, experts, bm)
-        finally:
-            tk.SORT_CHUNKED_ON_GPU = old
+    def chunked_set(on: bool):
+        def sort(ids, experts, bm):
+            old, tk.SORT_CHUNKED_ON_GPU = tk.SORT_CHUNKED_ON_GPU, on
+            try:
+                return tk.sort_blocks(ids, experts, bm)
+            finally:
+                tk.SORT_CHUNKED_ON_GPU = old
+
+        return sort
 
     out = []
     for pairs in (64, 128, 256, 512, 1024, 2048, 4096, 16384, 65536):
@@ -423,7 +431,8 @@ def sort_timings(gen: torch.Generator) -> list[dict]:
                                    dtype=torch.int32),) for _ in range(8)]  # fmt: skip
             want = tk.sort_blocks_torch(sets[0][0], EXPERTS, bm)
             row = dict(pairs=pairs, bm=bm, default_path=tk.sort_path(sets[0][0], EXPERTS))
-            fns = (("default", tk.sort_blocks), ("chunked", chunked),
+            fns = (("default", tk.sort_blocks), ("chunked", chunked_set(True)),
+                   ("chunked_off", chunked_set(False)),
                    ("torch_ops", tk.sort_blocks_torch))  # fmt: skip
             for name, fn in fns:
                 got = fn(sets[0][0], EXPERTS, bm)
@@ -431,8 +440,8 @@ def sort_timings(gen: torch.Generator) -> list[dict]:
                 row[f"{name}_us"] = time_over(lambda i, fn=fn, bm=bm: fn(i, EXPERTS, bm), sets)
             print(
                 f"sort {pairs:5d} pairs, {bm:3d} rows a block: default ({row['default_path']}) "
-                f"{row['default_us']:.2f} us, chunked {row['chunked_us']:.2f}, torch ops "
-                f"{row['torch_ops_us']:.2f}",
+                f"{row['default_us']:.2f} us, chunked {row['chunked_us']:.2f}, chunked off "
+                f"{row['chunked_off_us']:.2f}, torch ops {row['torch_ops_us']:.2f}",
                 flush=True,
             )
             out.append(row)

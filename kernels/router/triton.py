@@ -563,12 +563,6 @@ if triton is not None:
         # broadcast in registers (`_gemv_broadcast`), not one (token, expert) pair a row.
         pid_e = tl.program_id(0)
         pid_t = tl.program_id(2)
-        R: tl.constexpr = BLOCK_E * BLOCK_T
-        rows = tl.arange(0, R)
-        e = pid_e * BLOCK_E + rows % BLOCK_E
-        t = pid_t * BLOCK_T + rows // BLOCK_E
-        e_ok = e < n_experts
-        t_ok = t < n_tokens
         if BROADCAST:
             tb = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
             eb = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -576,29 +570,35 @@ if triton is not None:
                                  BLOCK_B, PDL)  # fmt: skip
             tl.store(out_ptr + tb[:, None] * n_experts + eb[None, :], lg,
                      mask=(tb[:, None] < n_tokens) & (eb[None, :] < n_experts))  # fmt: skip
-        elif ONE_SHOT:
-            ka = tl.arange(0, BLOCK_K)
-            kb = BLOCK_K + tl.arange(0, BLOCK_B if BLOCK_B > 0 else 1)
-            wa = _gemv_w(w_ptr, e, e_ok, ka, HIDDEN)
-            if BLOCK_B > 0:
-                wb = _gemv_w(w_ptr, e, e_ok, kb, HIDDEN)
-            if PDL:
-                tl.extra.cuda.gdc_wait()
-                tl.extra.cuda.gdc_launch_dependents()
-            acc = _gemv_x(x_ptr, t, t_ok, ka, HIDDEN) * wa
-            logits = tl.sum(acc, axis=1)
-            if BLOCK_B > 0:
-                logits += tl.sum(_gemv_x(x_ptr, t, t_ok, kb, HIDDEN) * wb, axis=1)
         else:
-            if PDL:
-                tl.extra.cuda.gdc_wait()
-                tl.extra.cuda.gdc_launch_dependents()
-            acc = tl.zeros([R, BLOCK_K], dtype=tl.float32)
-            for k0 in tl.static_range(0, HIDDEN, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                acc += _gemv_x(x_ptr, t, t_ok, k, HIDDEN) * _gemv_w(w_ptr, e, e_ok, k, HIDDEN)
-            logits = tl.sum(acc, axis=1)
-        if not BROADCAST:
+            R: tl.constexpr = BLOCK_E * BLOCK_T
+            rows = tl.arange(0, R)
+            e = pid_e * BLOCK_E + rows % BLOCK_E
+            t = pid_t * BLOCK_T + rows // BLOCK_E
+            e_ok = e < n_experts
+            t_ok = t < n_tokens
+            if ONE_SHOT:
+                ka = tl.arange(0, BLOCK_K)
+                kb = BLOCK_K + tl.arange(0, BLOCK_B if BLOCK_B > 0 else 1)
+                wa = _gemv_w(w_ptr, e, e_ok, ka, HIDDEN)
+                if BLOCK_B > 0:
+                    wb = _gemv_w(w_ptr, e, e_ok, kb, HIDDEN)
+                if PDL:
+                    tl.extra.cuda.gdc_wait()
+                    tl.extra.cuda.gdc_launch_dependents()
+                acc = _gemv_x(x_ptr, t, t_ok, ka, HIDDEN) * wa
+                logits = tl.sum(acc, axis=1)
+                if BLOCK_B > 0:
+                    logits += tl.sum(_gemv_x(x_ptr, t, t_ok, kb, HIDDEN) * wb, axis=1)
+            else:
+                if PDL:
+                    tl.extra.cuda.gdc_wait()
+                    tl.extra.cuda.gdc_launch_dependents()
+                acc = tl.zeros([R, BLOCK_K], dtype=tl.float32)
+                for k0 in tl.static_range(0, HIDDEN, BLOCK_K):
+                    k = k0 + tl.arange(0, BLOCK_K)
+                    acc += _gemv_x(x_ptr, t, t_ok, k, HIDDEN) * _gemv_w(w_ptr, e, e_ok, k, HIDDEN)
+                logits = tl.sum(acc, axis=1)
             tl.store(out_ptr + t * n_experts + e, logits, mask=t_ok & e_ok)
         if ROUTE:
             _route_when_last(
