@@ -5,7 +5,7 @@ decoded in registers, weights repacked once into the fragment layout of
 Per pair (below `GROUP_MIN_PAIRS`), two launches, as the Triton FMA path they replace:
 1. FC1 + SwiGLU: a CTA owns one (token, expert) pair and one 16-row tile (8 gate rows and
    their 8 up rows); its warps split K. Each lane keeps `depth` 16-byte loads of codes in
-   flight (four 16 x 16 tiles each), decodes a tile's 8 codes into four bf16 pairs with 11
+   flight (four 16 x 16 tiles each), decodes a tile's 8 codes into four bf16 pairs with 9
    integer ops, multiplies them by the block scales (one bf16x2 multiply a pair, exact),
    and issues `mma.sync.m16n8k16` against the token's activations (every one of the 8 MMA
    columns holds the same token, so any lane holds the result). The warps' fp32 sums meet
@@ -21,7 +21,7 @@ blocks of up to 8 of one expert (`triton.sort_blocks`), one MMA column a pair, s
 weights are read once for all its tokens; FC2 writes the pairs' bf16 rows and the Triton
 finalize kernel combines them.
 
-About 100 instructions a lane per 32 codes in FC1's loop (SASS for sm_90a): ~3 per code,
+About 81 instructions a lane per 32 codes in FC1's loop (SASS for sm_90a): ~2.5 per code,
 against ~5.5 in the Triton FMA kernels. Each warp first copies its slice of the activations
 into shared memory (`Config.stage`): read from global memory, ptxas places each 8-byte
 activation load just before its MMA, one L2 round trip a tile. Programmatic dependent

@@ -135,9 +135,10 @@ def round_bf16(value, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def scale_pair(word, sel, *, loc=None, ip=None):
-    """Byte `sel` of `word` (a re-encoded scale) -> bf16x2 (scale, scale) * 2^SCALE_EXP."""
-    selector = 0x4040 | sel << 8 | sel
+def tile_scales(word, half, *, loc=None, ip=None):
+    """Bytes 2 * half (row g) and 2 * half + 1 (row g + 8) of `word` (re-encoded scales) ->
+    one bf16x2 (scale of row g, scale of row g + 8), each times 2^SCALE_EXP."""
+    selector = 0x4040 | (2 * half + 1) << 8 | 2 * half
     return _asm(
         [Int32],
         [Int32(word)],
@@ -151,23 +152,26 @@ def scale_pair(word, sel, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def decode_tile(word, s_lo, s_hi, *, loc=None, ip=None):
-    """8 codes -> the A fragment (4 bf16 pairs) times the rows' scales (`s_lo` row g,
-    `s_hi` row g + 8); `fragments.py` has the layout."""
+def decode_tile(word, scales, *, loc=None, ip=None):
+    """8 codes -> the A fragment (4 bf16 pairs) times the rows' scales (`scales` from
+    `tile_scales`: its low half multiplies row g's pairs 0 and 2, its high half row g + 8's
+    pairs 1 and 3; ptxas reads the halves in the multiply, `.H0_H0` / `.H1_H1`).
+    `fragments.py` has the layout and the same integer ops in torch (`decode_pair`)."""
     m = frag.PAIR_MASK
     body = [
-        f"and.b32 a, $4, {m}; mul.rn.bf16x2 $0, a, $5;",
-        f"shl.b32 a, $4, 3; and.b32 a, a, {m}; mul.rn.bf16x2 $1, a, $6;",
-        f"shl.b32 a, $4, 6; and.b32 a, a, {m}; mul.rn.bf16x2 $2, a, $5;",
-        "shr.b32 a, $4, 4; and.b32 a, a, 0x00C000C0; shr.b32 b, $4, 5; and.b32 b, b, 0x01000100; "
-        "or.b32 a, a, b; shl.b32 b, $4, 1; and.b32 b, b, 0x80008000; or.b32 a, a, b; "
-        "mul.rn.bf16x2 $3, a, $6;",
+        "mov.b32 {sl, sh}, $5; mov.b32 lo, {sl, sl}; mov.b32 hi, {sh, sh};",
+        f"and.b32 a, $4, {m}; mul.rn.bf16x2 $0, a, lo;",
+        f"shl.b32 a, $4, 4; and.b32 a, a, {m}; mul.rn.bf16x2 $1, a, hi;",
+        f"shf.l.wrap.b32 a, $4, $4, 10; and.b32 a, a, {m}; mul.rn.bf16x2 $2, a, lo;",
+        f"shl.b32 a, $4, 6; and.b32 a, a, {frag.PAIR3_MASK_A}; "
+        f"shf.l.wrap.b32 b, $4, $4, 14; and.b32 b, b, {frag.PAIR3_MASK_B}; or.b32 a, a, b; "
+        "mul.rn.bf16x2 $3, a, hi;",
     ]
     return _asm(
         [Int32] * 4,
-        [Int32(word), Int32(s_lo), Int32(s_hi)],
-        "{ .reg .b32 a, b; " + " ".join(body) + " }",
-        "=&r,=&r,=&r,=&r,r,r,r",  # early clobber: outputs are written before the last read
+        [Int32(word), Int32(scales)],
+        "{ .reg .b32 a, b, lo, hi; .reg .b16 sl, sh; " + " ".join(body) + " }",
+        "=&r,=&r,=&r,=&r,r,r",  # early clobber: outputs are written before the last read
         False,
         loc,
         ip,
@@ -276,12 +280,7 @@ def dot_rows(
                         xb = ld_act(x_ch, i * 32)
                     else:
                         xb = ld_v2(x_ch, i * 32)
-                    sw = s[2 * d + i // 2]
-                    a = decode_tile(
-                        w[4 * d + i],
-                        scale_pair(sw, 2 * (i % 2)),
-                        scale_pair(sw, 2 * (i % 2) + 1),
-                    )
+                    a = decode_tile(w[4 * d + i], tile_scales(s[2 * d + i // 2], i % 2))
                     acc = mma(a, xb[0], xb[1], acc)
         w = w_n
         s = s_n

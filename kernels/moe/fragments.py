@@ -12,8 +12,13 @@ K are one 16-byte load (`codes [E, R, K/64, 32 lanes, 4 tiles]` uint32, R = rows
 - pair `j` of the fragment (`a2j`, `a2j+1`, one bf16x2 register) is decoded into a bf16
   pair equal to `e2m1 * 2^-126` (bf16 subnormals cover 0 and 0.5 exactly): each code's
   sign lands on bit 15 (31) and its magnitude bits (m, e0, e1) on bits 6-8 (22-24).
-  The bits of a word are placed (`BITS`) so that pairs 0, 1 and 2 need one shift (by 0,
-  3, 6) and one mask, and pair 3 three shifts and three masks: 11 integer ops a word.
+  The bits of a word are placed (`BITS`) so that pair 0 needs one mask, pair 1 a shift
+  and a mask, pair 2 a rotation and a mask, pair 3 a shift, a rotation and two masks: 9
+  integer ops a word, 7 of them on the integer pipe (a left shift by at most 6 is an
+  `IMAD` on the FMA pipe; no bit layout gives each pair one shift and one mask).
+  A row's two scales of a tile are one bf16x2 register; the multiply reads its low or
+  high half for both lanes (`.H0_H0` / `.H1_H1` in SASS), so a tile's scales cost one byte
+  permute and one shift-add.
 - block scales, `scales [E, R, K/64, 8, 4 tiles, 2]` uint8: row `g`'s and row `g+8`'s
   scale of each tile, one byte each, re-encoded as `(e + 9) << 3 | mmm` for a scale
   `2^e * 1.mmm` (every E4M3 value, subnormals included, is such a number with
@@ -47,11 +52,19 @@ UNDO = 2.0 ** (126 - SCALE_EXP)
 # Fragment value a_i -> (row offset, k offset) within a 16 x 16 tile, for lane (g, c).
 _ROW = (0, 0, 8, 8, 0, 0, 8, 8)
 _K = (0, 1, 0, 1, 2, 3, 2, 3)
-# Where a_i's code bits (m, e0, e1, sign) sit in the word. Pair j = (a2j, a2j+1); the high
-# value of a pair sits 16 bits above the low one.
-_PAIR_BITS = ((6, 7, 8, 15), (3, 4, 5, 12), (0, 1, 2, 9), (10, 11, 13, 14))
-BITS = tuple(tuple(b + 16 * (i % 2) for b in _PAIR_BITS[i // 2]) for i in range(8))
+# A decoded value's code bits (m, e0, e1, sign) land on bf16 bits 6, 7, 8, 15 (the low
+# value of a pair; the high value 16 bits up). Pair j's bits are rotated left by
+# _PAIR_ROTATE[j] (one amount per bit) to get there, so in the word they sit that far
+# below (mod 32): `BITS[i]` for value a_i of pair i // 2.
+_TARGET = (6, 7, 8, 15)
+_PAIR_ROTATE = ((0, 0, 0, 0), (4, 4, 4, 4), (10, 10, 10, 10), (6, 6, 14, 6))
+BITS = tuple(
+    tuple((t + 16 * (i % 2) - r) % 32 for t, r in zip(_TARGET, _PAIR_ROTATE[i // 2]))
+    for i in range(8)
+)
 PAIR_MASK = 0x81C081C0  # sign and magnitude bits of a decoded bf16 pair
+PAIR3_MASK_A = 0x80C080C0  # pair 3: m, e0 and sign, shifted left by 6
+PAIR3_MASK_B = 0x01000100  # pair 3: e1, rotated left by 14
 
 
 @dataclass(frozen=True)
@@ -141,11 +154,20 @@ def _repack_experts(packed, scale, row_order):
     return words.reshape(e, r, kc, 32, 4), s.permute(0, 1, 4, 3, 5, 2)
 
 
+def _rotl(w: torch.Tensor, n: int) -> torch.Tensor:
+    return ((w << n) | (w >> (32 - n))) & 0xFFFFFFFF
+
+
 def decode_pair(w: torch.Tensor, j: int) -> torch.Tensor:
-    """Pair j of words `w` (int64 holding uint32) as bf16x2 bits: the kernel's integer ops."""
-    if j < 3:
-        return (w << 3 * j) & PAIR_MASK & 0xFFFFFFFF
-    return ((w >> 4) & 0x00C000C0) | ((w >> 5) & 0x01000100) | ((w << 1) & 0x80008000)
+    """Pair j of words `w` (int64 holding uint32) as bf16x2 bits: the kernel's integer ops
+    (`shl`, `shf.l.wrap`, `and`)."""
+    if j == 0:
+        return w & PAIR_MASK
+    if j == 1:
+        return (w << 4) & PAIR_MASK
+    if j == 2:
+        return _rotl(w, 10) & PAIR_MASK
+    return ((w << 6) & PAIR3_MASK_A) | (_rotl(w, 14) & PAIR3_MASK_B)
 
 
 def _bf16_bits_to_float(bits: torch.Tensor) -> torch.Tensor:
