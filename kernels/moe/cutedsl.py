@@ -104,6 +104,8 @@ class Config:
     pdl: bool = False
     # each warp stages its activations in shared memory first (per pair only)
     stage: bool = False
+    # per pair: the next step's chunks load from one base address (no clamp a chunk)
+    step_loads: bool = False
 
 
 FEW_CTAS = 512  # FC1 below this many CTAs (one TP8 rank at a token: 192) splits K 8 ways
@@ -112,11 +114,13 @@ FEW_CTAS = 512  # FC1 below this many CTAs (one TP8 rank at a token: 192) splits
 def pick_config(
     pairs: int, hidden: int, inter: int, top_k: int, grouped: bool | None = None
 ) -> Config:
-    """Measured on an H200 (bench/NOTES.md, MoE runs 9, 12, 13): four chunks in flight a lane,
+    """Measured on an H200 (bench/NOTES.md, MoE runs 9, 12, 13, 17): four chunks in flight a lane,
     FC1 on 4 warps (8 where there are few CTAs), FC2 one warp an expert; blocks of pairs
     sharing an expert from GROUP_MIN_PAIRS on wide experts (or GROUP_MIN_PAIRS_NARROW).
     Programmatic dependent launch where FC2 loads all its weights before it waits (it
-    slowed wide experts at a token: FC2's waiting CTAs hold SMs from FC1's last wave)."""
+    slowed wide experts at a token: FC2's waiting CTAs hold SMs from FC1's last wave).
+    Per pair on wide experts, a step's loads from one base address (`step_loads`, run 17:
+    3% faster at TP1 a token; slower on one TP8 rank's experts and in blocks)."""
     pdl = PDL and inter <= 64 * Config.depth2
     if grouped is None:  # else forced (benchmark sweeps)
         grouped = pairs >= (GROUP_MIN_PAIRS if inter >= GROUP_MIN_INTER else GROUP_MIN_PAIRS_NARROW)
@@ -124,7 +128,8 @@ def pick_config(
         return Config(warps1=4, depth1=2, warps2=2, depth2=2, grouped=True, pdl=pdl)
     few = pairs * (inter // 8) < FEW_CTAS
     return Config(warps1=8 if few else 4, depth1=2 if few else 4, warps2=min(8, top_k),
-                  pdl=pdl, stage=True)  # fmt: skip
+                  pdl=pdl, stage=True,
+                  step_loads=inter >= GROUP_MIN_INTER and not (few or pdl))  # fmt: skip
 
 
 def stage_chunks(cfg: Config, hidden: int, inter: int) -> tuple[int, int]:
@@ -139,23 +144,25 @@ def stage_chunks(cfg: Config, hidden: int, inter: int) -> tuple[int, int]:
 
 
 @functools.cache
-def compiled_fc1(topk: int, warps: int, depth: int, pdl: bool, stage: int):
+def compiled_fc1(topk: int, warps: int, depth: int, pdl: bool, stage: int, step_loads=False):
     k = _cute()[0]
     z64, z32 = k.Int64(0), k.Int32(1)
     stream = _stream_type()(0)
     return k.cute.compile(
-        k.fc1_host, *[z64] * 6, z32, z32, z32, stream, topk, warps, depth, pdl, stage
-    )
+        k.fc1_host, *[z64] * 6, z32, z32, z32, stream, topk, warps, depth, pdl, stage,
+        step_loads,
+    )  # fmt: skip
 
 
 @functools.cache
-def compiled_fc2(topk: int, warps: int, combine: bool, depth: int, pdl: bool, stage: int):
+def compiled_fc2(topk: int, warps: int, combine: bool, depth: int, pdl: bool, stage: int,
+                 step_loads=False):  # fmt: skip
     k = _cute()[0]
     z64, z32 = k.Int64(0), k.Int32(1)
     stream = _stream_type()(0)
     return k.cute.compile(
         k.fc2_host, z64, z64, z64, z64, z64, z64, z64, k.Float32(1.0), z32, z32, z32,
-        stream, topk, warps, combine, depth, pdl, stage,
+        stream, topk, warps, combine, depth, pdl, stage, step_loads,
     )  # fmt: skip
 
 
@@ -197,6 +204,12 @@ def experts(x, ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_we
     t, k = ids.shape
     hidden, inter = x.shape[1], w13.shape[1] // 2
     cfg = config or pick_config(t * k, hidden, inter, k)
+    if max(cfg.depth1, cfg.depth2) > frag.PAD_CHUNKS:
+        raise ValueError(
+            f"CuTeDSL MoE config {cfg}: depth {max(cfg.depth1, cfg.depth2)} > "
+            f"fragments.PAD_CHUNKS = {frag.PAD_CHUNKS} (the kernels would load past the "
+            f"repacked weights); use depth1, depth2 <= {frag.PAD_CHUNKS}"
+        )
     fc1, fc2, g13, g2 = prepare(w13, w13_scale, w13_global, w2, w2_scale, w2_global)
     x = x.contiguous()
     if x.data_ptr() % 16:  # activations are read 8 bytes at a time
@@ -210,7 +223,7 @@ def experts(x, ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_we
                         w13.shape[0], stream)  # fmt: skip
     stage1, stage2 = stage_chunks(cfg, hidden, inter)
     if t:
-        compiled_fc1(k, cfg.warps1, cfg.depth1, cfg.pdl, stage1)(
+        compiled_fc1(k, cfg.warps1, cfg.depth1, cfg.pdl, stage1, cfg.step_loads)(
             x.data_ptr(), flat.data_ptr(), fc1.codes.data_ptr(), fc1.scales.data_ptr(),
             g13.data_ptr(), h.data_ptr(), t * k, hidden, inter, stream,
         )  # fmt: skip
@@ -221,7 +234,7 @@ def experts(x, ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_we
         out = torch.empty(t, k, hidden, device=x.device, dtype=torch.bfloat16)
         weights = g2
     if t:
-        compiled_fc2(k, cfg.warps2, combine, cfg.depth2, cfg.pdl, stage2)(
+        compiled_fc2(k, cfg.warps2, combine, cfg.depth2, cfg.pdl, stage2, cfg.step_loads)(
             h.data_ptr(), flat.data_ptr(), fc2.codes.data_ptr(), fc2.scales.data_ptr(),
             g2.data_ptr(), weights.data_ptr(), out.data_ptr(), float(routed_scale), t,
             hidden, inter, stream,

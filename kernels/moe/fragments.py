@@ -43,6 +43,11 @@ import torch
 from beamfx.kernels.moe.nvfp4 import BLOCK, decode_e2m1, unpack_e2m1
 
 ROWS = 16  # rows of an MMA tile (M)
+# Chunks of zeros after the last one of the codes and of the scales: a warp loads its next
+# step's `depth` chunks of K from one base address (`load_step`), so where its range is not
+# a whole number of steps it reads up to depth - 1 chunks past it, at the end of the
+# tensor into this padding.
+PAD_CHUNKS = 8
 TILE_K = 16  # k of an MMA tile; one E4M3 block
 CHUNK_K = 64  # four tiles: one 16-byte load of codes per thread
 SCALE_EXP = 110  # the re-encoded scale reads as scale * 2^110
@@ -115,13 +120,22 @@ def repack(packed: torch.Tensor, scale: torch.Tensor, row_order: torch.Tensor | 
     if reason:
         raise ValueError(f"NVFP4 fragment repack: {reason}")
     r, kc = n // ROWS, k // CHUNK_K
-    words = torch.empty(e, r, kc, 32, 4, dtype=torch.int32, device=packed.device)
-    scales = torch.empty(e, r, kc, 8, 4, 2, dtype=torch.uint8, device=packed.device)
+    words = _padded((e, r, kc, 32, 4), torch.int32, PAD_CHUNKS * 32 * 4, packed.device)
+    scales = _padded((e, r, kc, 8, 4, 2), torch.uint8, PAD_CHUNKS * 8 * 4 * 2, packed.device)
     step = max(1, (1 << 24) // (n * k))
     for e0 in range(0, e, step):
         sl = slice(e0, min(e, e0 + step))
         words[sl], scales[sl] = _repack_experts(packed[sl], scale[sl], row_order)
     return Packed(words, scales, n, k)
+
+
+def _padded(shape, dtype, pad: int, device) -> torch.Tensor:
+    """An empty tensor of `shape` followed in memory by `pad` zeroed elements."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    buf = torch.zeros(numel + pad, dtype=dtype, device=device)
+    return buf[:numel].view(shape)
 
 
 def _repack_experts(packed, scale, row_order):

@@ -76,6 +76,32 @@ def test_repack_refuses_shapes_off_the_tile():
         frag.repack(torch.zeros(1, 24, 32, dtype=torch.uint8), torch.ones(1, 24, 4))
 
 
+def test_repacked_weights_end_in_zero_padding():
+    """A warp may load up to `depth` - 1 chunks past its range (`load_step`): PAD_CHUNKS
+    chunks of zeros follow the codes and the scales in memory, and the decoded values
+    ignore them."""
+    g = torch.Generator().manual_seed(1)
+    packed = torch.randint(0, 256, (2, 32, 64), generator=g, dtype=torch.uint8)
+    scale = torch.full((2, 32, 8), 0.5).to(torch.float8_e4m3fn)
+    p = frag.repack(packed, scale)
+    for t, chunk_bytes in ((p.codes, 32 * 16), (p.scales, 8 * 4 * 2)):
+        storage = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+        assert t.storage_offset() == 0 and t.is_contiguous()
+        assert storage.numel() == t.numel() * t.element_size() + frag.PAD_CHUNKS * chunk_bytes
+        assert not storage[t.numel() * t.element_size() :].any()
+    assert torch.equal(frag.decode(p), frag.expected(packed, scale))
+
+
+def test_depth_past_the_padding_is_refused():
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    ids = torch.zeros(1, 2, dtype=torch.int32)
+    w = (torch.zeros(4, 32, 32, dtype=torch.uint8), torch.ones(4, 32, 4), torch.ones(4, 2))
+    w2 = (torch.zeros(4, 64, 8, dtype=torch.uint8), torch.ones(4, 64, 1), torch.ones(4))
+    deep = cd.Config(depth1=frag.PAD_CHUNKS + 1)
+    with pytest.raises(ValueError, match="depth 9 > fragments.PAD_CHUNKS = 8"):
+        cd.experts(x, ids, *w, *w2, config=deep)
+
+
 def test_provider_refuses_cpu_tensors():
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     ids = torch.zeros(2, 2, dtype=torch.int32)
@@ -198,17 +224,21 @@ def test_nvfp4_zero_scales_zero_their_block():
 
 
 def test_pick_config_follows_the_measured_rules():
-    """The defaults bench/NOTES.md (MoE runs 9, 12 and 13) chose: per pair below 64 pairs
-    (256 on narrow experts), blocks above; FC1 on 8 warps with two chunks in flight below 512
-    CTAs; activations staged in shared memory; PDL where FC2's K fits the chunks it loads
-    before waiting."""
+    """The defaults bench/NOTES.md (MoE runs 9, 12, 13 and 17) chose: per pair below 64
+    pairs (256 on narrow experts), blocks above; FC1 on 8 warps with two chunks in flight
+    below 512 CTAs; activations staged in shared memory; PDL where FC2's K fits the chunks
+    it loads before waiting; a step's loads from one base address only per pair with
+    neither (faster at TP1 1-4 tokens, slower at TP8 and in blocks)."""
     tp1, tp8 = 1536, 192
     one = cd.pick_config(8, 5120, tp1, 8)
     assert (one.grouped, one.warps1, one.depth1, one.warps2, one.pdl) == (False, 4, 4, 8, False)
     assert one.stage  # activations staged in shared memory (MoE run 12)
+    assert one.step_loads  # MoE run 17
     narrow = cd.pick_config(8, 5120, tp8, 8)  # 8 pairs x 24 tiles = 192 CTAs
     assert (narrow.grouped, narrow.warps1, narrow.depth1, narrow.stage) == (False, 8, 2, True)
-    assert narrow.pdl == cd.PDL
+    assert narrow.pdl == cd.PDL and not narrow.step_loads
+    assert not cd.pick_config(32, 5120, tp8, 8).step_loads  # narrow experts
+    assert not cd.pick_config(64, 5120, tp1, 8).step_loads  # in blocks
     assert not cd.pick_config(56, 5120, tp1, 8).grouped
     assert cd.pick_config(64, 5120, tp1, 8).grouped
     assert not cd.pick_config(248, 5120, tp8, 8).grouped
