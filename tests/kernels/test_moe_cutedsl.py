@@ -238,6 +238,7 @@ def test_pick_config_follows_the_measured_rules():
     assert (narrow.grouped, narrow.warps1, narrow.depth1, narrow.stage) == (False, 8, 2, True)
     assert narrow.pdl == cd.PDL and not narrow.step_loads
     assert not cd.pick_config(32, 5120, tp8, 8).step_loads  # narrow experts
+    assert not cd.pick_config(32, 5120, 512, 8).step_loads  # narrow, even without PDL
     assert not cd.pick_config(64, 5120, tp1, 8).step_loads  # in blocks
     assert not cd.pick_config(56, 5120, tp1, 8).grouped
     assert cd.pick_config(64, 5120, tp1, 8).grouped
