@@ -114,13 +114,13 @@ FEW_CTAS = 512  # FC1 below this many CTAs (one TP8 rank at a token: 192) splits
 def pick_config(
     pairs: int, hidden: int, inter: int, top_k: int, grouped: bool | None = None
 ) -> Config:
-    """Measured on an H200 (bench/NOTES.md, MoE runs 9, 12, 13, 17): four chunks in flight a lane,
-    FC1 on 4 warps (8 where there are few CTAs), FC2 one warp an expert; blocks of pairs
+    """Measured on an H200 (bench/NOTES.md, MoE runs 9, 12, 13, 17): four chunks in flight
+    a lane, FC1 on 4 warps (8 where there are few CTAs), FC2 one warp an expert; blocks of pairs
     sharing an expert from GROUP_MIN_PAIRS on wide experts (or GROUP_MIN_PAIRS_NARROW).
     Programmatic dependent launch where FC2 loads all its weights before it waits (it
     slowed wide experts at a token: FC2's waiting CTAs hold SMs from FC1's last wave).
     Per pair on wide experts, a step's loads from one base address (`step_loads`, run 17:
-    3% faster at TP1 a token; slower on one TP8 rank's experts and in blocks)."""
+    2-3% faster at TP1 a token; slower on one TP8 rank's experts and in blocks)."""
     pdl = PDL and inter <= 64 * Config.depth2
     if grouped is None:  # else forced (benchmark sweeps)
         grouped = pairs >= (GROUP_MIN_PAIRS if inter >= GROUP_MIN_INTER else GROUP_MIN_PAIRS_NARROW)
