@@ -13,11 +13,9 @@ to compute the same products in the same order must give the same bits.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
 import json
 import pathlib
-import platform
 import shutil
 import statistics
 import sys
@@ -29,7 +27,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import bench_moe as bm  # noqa: E402
 
-from beamfx.kernels.measure import package_version  # noqa: E402
 from beamfx.kernels.moe import cutedsl as new  # noqa: E402
 
 
@@ -65,21 +62,16 @@ def main() -> None:
         q = bm.random_experts(inter, gen)
         tensors = q.tensors()
         for tokens in args.tokens:
-            n_sets = 32 if tokens == 1 else 8  # as bench_moe
-            sets = bm.routing_sets(tokens, n_sets, gen)
+            sets = bm.routing_sets(tokens, bm.n_input_sets(tokens), gen)
             experts = sum(len(torch.unique(s[1])) for s in sets) / len(sets)
-            floor = experts * 3 * bm.HIDDEN * inter * 0.5625 / copy_bw * 1e6
+            floor = bm.nvfp4_floor_us(experts, inter, copy_bw)
             fns = {
                 "new": lambda x, i, w, m=new, t=tensors: m.mega_moe_nvfp4(x, w, i, *t, 2.5),
                 args.label: lambda x, i, w, m=base, t=tensors: m.mega_moe_nvfp4(x, w, i, *t, 2.5),
             }
             outs = {k: [f(*s) for s in sets] for k, f in fns.items()}
             same = all(torch.equal(a, b) for a, b in zip(*outs.values()))
-            times = {k: [] for k in fns}
-            for r in range(args.rounds):
-                order = list(fns) if r % 2 else list(fns)[::-1]
-                for k in order:
-                    times[k].append(bm.time_over(fns[k], sets))
+            times = bm.interleaved_rounds(fns, sets, args.rounds)
             med = {k: statistics.median(v) for k, v in times.items()}
             row = dict(shape=shape, tokens=tokens, experts=experts, floor_us=round(floor, 2),
                        bitwise_equal=same, rounds={k: [round(t, 2) for t in v]
@@ -92,16 +84,11 @@ def main() -> None:
                 f"{med[args.label]:8.2f} us  bitwise equal: {same}",
                 flush=True,
             )
-    meta = dict(
-        device=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        cutlass_dsl=package_version("nvidia-cutlass-dsl"),
-        python=platform.python_version(),
-        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    meta = bm.run_meta(
         copy_bandwidth_gbs=round(copy_bw / 1e9, 1),
         base=args.label,
-        method="CUDA-graph replay medians per call over a rotation of input sets (32 at a "
-        "token, else 8: bench_moe.time_over); "
+        method="CUDA-graph replay medians per call over a rotation of input sets "
+        "(bench_moe.n_input_sets, time_over); "
         f"{args.rounds} rounds alternating which variant goes first",
     )
     if args.out:

@@ -109,6 +109,28 @@ def routing_sets(tokens: int, n_sets: int, gen: torch.Generator):
     return sets
 
 
+def nvfp4_floor_us(experts: float, inter: int, bw: float) -> float:
+    """The NVFP4 weight-bytes floor: `experts` x 3 matrices x hidden x inter x 0.5625 bytes
+    at copy bandwidth `bw` (bytes/s)."""
+    return experts * 3 * HIDDEN * inter * 0.5625 / bw * 1e6
+
+
+def n_input_sets(tokens: int) -> int:
+    """Input sets a timing rotates over: enough that small calls read their weights from
+    DRAM, not L2 (at a token, disjoint expert groups)."""
+    return 32 if tokens == 1 else 8 if tokens <= 64 else 2
+
+
+def interleaved_rounds(fns: dict, sets, rounds: int) -> dict[str, list[float]]:
+    """`time_over` of each of `fns` (name -> fn) per round, the order reversed every other
+    round, so slow drift of the machine falls on every variant alike."""
+    times = {name: [] for name in fns}
+    for r in range(rounds):
+        for name in list(fns)[:: 1 if r % 2 else -1]:
+            times[name].append(time_over(fns[name], sets))
+    return times
+
+
 def time_over(fn, sets, graph=True) -> float:
     """Median microseconds per call, over a rotation of input sets."""
 
@@ -231,12 +253,11 @@ def bench_shape(
     fns = variants(q, w13b, w2b)
     rows = []
     for tokens in token_counts:
-        n_sets = 32 if tokens == 1 else 8 if tokens <= 64 else 2
-        sets = routing_sets(tokens, n_sets, gen)
+        sets = routing_sets(tokens, n_input_sets(tokens), gen)
         distinct = sum(len(torch.unique(s[1])) for s in sets) / len(sets)
         row = dict(
             shape=shape, inter=inter, tokens=tokens, experts_touched=distinct,
-            floor_nvfp4_us=distinct * 3 * HIDDEN * inter * 0.5625 / bw * 1e6,
+            floor_nvfp4_us=nvfp4_floor_us(distinct, inter, bw),
             floor_bf16_us=distinct * 3 * HIDDEN * inter * 2 / bw * 1e6,
             floor_flops_us=2 * tokens * TOP_K * 3 * HIDDEN * inter / mm * 1e6,
         )  # fmt: skip

@@ -7,7 +7,6 @@ TP8 rank at 1-4 tokens: fewer than `cutedsl.FEW_CTAS` FC1 CTAs), interleaved rou
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import pathlib
 import statistics
@@ -38,25 +37,19 @@ def main() -> None:
     q = bm.random_experts(inter, gen)
     rows = []
     for tokens in args.tokens:
-        sets = bm.routing_sets(tokens, 32 if tokens == 1 else 8, gen)
+        sets = bm.routing_sets(tokens, bm.n_input_sets(tokens), gen)
         base = cd.pick_config(tokens * bm.TOP_K, bm.HIDDEN, inter, bm.TOP_K)
         cfgs = [replace(base, **v) for v in variants]
         fns = [lambda x, i, w, c=c: cd.experts(x, i, *q.tensors(), w, 2.5, config=c) for c in cfgs]
         want = fns[0](*sets[0])
         errs = [bm.rel_err(f(*sets[0]), want) for f in fns]
-        times = [[] for _ in fns]
-        for r in range(args.rounds):
-            order = range(len(fns)) if r % 2 == 0 else reversed(range(len(fns)))
-            for j in order:
-                times[j].append(bm.time_over(fns[j], sets))
+        times = bm.interleaved_rounds(dict(enumerate(fns)), sets, args.rounds).values()
         for c, v, t, e in zip(cfgs, variants, times, errs):
             row = dict(tokens=tokens, change=v, config=c.__dict__, us=[round(x, 2) for x in t],
                        median_us=round(statistics.median(t), 2), rel_err_vs_default=e)  # fmt: skip
             rows.append(row)
             print(f"T={tokens} {v or 'default'}: {row['median_us']} us {row['us']} err {e:.1e}")
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                shape="TP8 (inter 192), hidden 5120, 256 experts, top-8")  # fmt: skip
+    meta = bm.run_meta(shape="TP8 (inter 192), hidden 5120, 256 experts, top-8")
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
 
