@@ -1,9 +1,9 @@
 """Benchmark the MoE experts + combine, Beam-1.0-shaped, side by side in one run.
 
 Shapes: hidden 5120, 256 experts, top-8; moe_intermediate 1536 (TP=1) and 192 (one rank
-of TP=8); tokens 1, 8, 64, 512, 4096. Variants: the NVFP4 CuTeDSL kernels (Hopper, up to
-512 (token, expert) pairs; `--cutedsl-sweep` times their configs), the NVFP4 Triton
-kernel (W4A16), the bf16
+of TP=8); tokens 1, 8, 64, 512, 4096. Variants: the NVFP4 CuTeDSL kernels (Hopper; per pair
+or in blocks up to 512 (token, expert) pairs, through wgmma above; `--cutedsl-sweep` times
+their configs), the NVFP4 Triton kernel (W4A16), the bf16
 Triton kernel, torch._grouped_mm bf16, the reference (small token counts only: it loops
 over experts on the host), beside the floors: NVFP4 weight bytes (distinct experts touched
 x 3 x hidden x moe_intermediate x 0.5625 B) over the measured copy bandwidth, and at
@@ -269,10 +269,10 @@ def bench_shape(
         names = ["nvfp4_triton", "bf16_triton", "grouped_mm_bf16"]
         if tokens * TOP_K <= tk.SCAN_MAX_PAIRS:
             names += ["nvfp4_mma", "nvfp4_fma"]
-            if cd.why_not(x0, i0, q.w13, q.w2) is None:
-                names.append("nvfp4_cutedsl")
         else:
             names += ["nvfp4_atomics", "bf16_atomics"]
+        if cd.why_not(x0, i0, q.w13, q.w2) is None:  # per pair, in blocks, or through wgmma
+            names.append("nvfp4_cutedsl")
         for name in names:
             err, us = measure(fns[name], sets, want)
             row[f"{name}_us"], row[f"{name}_err"] = us, err
@@ -398,7 +398,9 @@ def main() -> None:
         bf16_matmul_TFLOPs=mm / 1e12,
         launches_per_call=f"{tk.LAUNCHES} (NVFP4/bf16 Triton, <= {tk.SCAN_MAX_PAIRS} pairs); "
         f"CuTeDSL {cd.LAUNCHES} per pair, 4 in blocks (from {cd.GROUP_MIN_PAIRS} pairs on "
-        f"experts >= {cd.GROUP_MIN_INTER} wide, {cd.GROUP_MIN_PAIRS_NARROW} on narrower)",
+        f"experts >= {cd.GROUP_MIN_INTER} wide, {cd.GROUP_MIN_PAIRS_NARROW} on narrower); "
+        f"through wgmma above {cd.MAX_PAIRS} pairs: 5-7 (the sort's 1-3, x's K permuted, "
+        f"FC1, FC2, the finalize)",
         shape=dict(hidden=HIDDEN, experts=EXPERTS, top_k=TOP_K, moe_intermediate=SHAPES),
     )
     os.makedirs(args.out, exist_ok=True)
@@ -500,7 +502,12 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         cute = "-"
         if r.get("nvfp4_cutedsl_us", float("nan")) == r.get("nvfp4_cutedsl_us"):  # not NaN
             c = r["nvfp4_cutedsl_us"]
-            cute = f"{c:.1f} ({100 * r['floor_nvfp4_us'] / c:.0f}%, {r['bf16_triton_us'] / c:.2f}x)"
+            cute = f"{c:.1f} ({100 * r['floor_nvfp4_us'] / c:.0f}%, {r['bf16_triton_us'] / c:.2f}x"
+            if r["tokens"] * TOP_K > cd.MAX_PAIRS:  # the wgmma kernels: their FLOP rate
+                tf = 2 * r["tokens"] * TOP_K * 3 * HIDDEN * r["inter"] / (c * 1e-6) / 1e12
+                share = 100 * tf / meta["bf16_matmul_TFLOPs"]
+                cute += f"; {tf:.0f} TFLOP/s, {share:.0f}% of matmul"
+            cute += ")"
         forced = "-"
         if "nvfp4_fma_us" in r:
             forced = f"{r['nvfp4_mma_us']:.1f} / {r['nvfp4_fma_us']:.1f}"

@@ -47,7 +47,11 @@ from beamfx.kernels.moe import fragments as frag
 from beamfx.kernels.moe.weight_cache import WeightCache
 from beamfx.ops import Provider
 
-MAX_PAIRS = 512  # tokens x top-k up to which this path serves (the MMA path wins above)
+# Above MAX_PAIRS (tokens x top-k) the wgmma kernels (`Wgmma`) serve, blocks of `wgmma_bn`
+# pairs; on narrow experts (below GROUP_MIN_INTER) only up to WGMMA_NARROW_MAX_PER_EXPERT
+# pairs an expert, the Triton MMA kernels beyond (bench/NOTES.md, MoE run 19).
+MAX_PAIRS = 512
+WGMMA_NARROW_MAX_PER_EXPERT = 64
 # From this many pairs, pairs sharing an expert share its weight reads: one launch sorts
 # them into blocks of GROUP columns (`triton.sort_blocks`), FC2 writes rows, a finalize
 # launch combines them (bench/NOTES.md, MoE runs 9 and 13).
@@ -106,21 +110,54 @@ class Config:
     stage: bool = False
     # per pair: the next step's chunks load from one base address (no clamp a chunk)
     step_loads: bool = False
+    # many pairs: blocks of one expert through wgmma (`Wgmma`); overrides the fields above
+    wgmma: Wgmma | None = None
+
+
+@dataclass(frozen=True)
+class Wgmma:
+    """The wgmma kernels (`cutedsl_wgmma_kernels.py`): `bn` pairs a block (wgmma's N),
+    `mt` 64-row slices of the weights a CTA, `stages` chunks of activations in shared
+    memory."""
+
+    bn: int = 64
+    mt: int = 2
+    stages: int = 4
+
+    def __post_init__(self):
+        if self.bn not in (16, 32, 48, 64, 80, 96, 112, 128) or self.mt not in (1, 2):
+            raise ValueError(
+                f"CuTeDSL wgmma MoE {self}: bn must be a multiple of 16 up to 128 and mt 1 or "
+                f"2 (the accumulators are mt x bn / 2 registers a thread)"
+            )
+        if not 2 <= self.stages <= 6:
+            raise ValueError(f"CuTeDSL wgmma MoE {self}: stages must be 2-6, got {self.stages}")
 
 
 FEW_CTAS = 512  # FC1 below this many CTAs (one TP8 rank at a token: 192) splits K 8 ways
 
 
+def wgmma_bn(pairs: int, experts: int) -> int:
+    """Pairs a wgmma block by pairs an expert (MoE run 19): 16 to 8, 32 to 32, else 64."""
+    per_expert = pairs / max(experts, 1)
+    return 16 if per_expert <= 8 else 32 if per_expert <= 32 else 64
+
+
 def pick_config(
-    pairs: int, hidden: int, inter: int, top_k: int, grouped: bool | None = None
-) -> Config:
-    """Measured on an H200 (bench/NOTES.md, MoE runs 9, 12, 13, 17): four chunks in flight
+    pairs: int, hidden: int, inter: int, top_k: int, grouped: bool | None = None,
+    experts: int = 0,
+) -> Config:  # fmt: skip
+    """Above MAX_PAIRS, the wgmma kernels with `wgmma_bn` pairs a block (`experts`: 0 is
+    unknown, taken as 256). Below, measured on an H200 (bench/NOTES.md, MoE runs 9, 12, 13,
+    17): four chunks in flight
     a lane, FC1 on 4 warps (8 where there are few CTAs), FC2 one warp an expert; blocks of pairs
     sharing an expert from GROUP_MIN_PAIRS on wide experts (or GROUP_MIN_PAIRS_NARROW).
     Programmatic dependent launch where FC2 loads all its weights before it waits (it
     slowed wide experts at a token: FC2's waiting CTAs hold SMs from FC1's last wave).
     Per pair on wide experts, a step's loads from one base address (`step_loads`, run 17:
     2-3% faster at TP1 a token; slower on one TP8 rank's experts and in blocks)."""
+    if pairs > MAX_PAIRS:
+        return Config(wgmma=Wgmma(bn=wgmma_bn(pairs, experts or 256)))
     pdl = PDL and inter <= 64 * Config.depth2
     if grouped is None:  # else forced (benchmark sweeps)
         grouped = pairs >= (GROUP_MIN_PAIRS if inter >= GROUP_MIN_INTER else GROUP_MIN_PAIRS_NARROW)
@@ -176,6 +213,27 @@ def compiled_grouped(topk: int, w1: int, d1: int, w2: int, d2: int, pdl: bool):
     return fc1, fc2
 
 
+@functools.cache
+def compiled_wgmma(topk: int, wc: Wgmma):
+    k, why = import_kernels("moe.cutedsl_wgmma_kernels")
+    if k is None:
+        raise RuntimeError(why)
+    z64, z32 = k.Int64(0), k.Int32(1)
+    stream = _stream_type()(0)
+    shape = (wc.bn, wc.mt, wc.stages)
+    fc1 = k.cute.compile(k.fc1_host, *[z64] * 7, z32, z32, z32, stream, topk, *shape)
+    fc2 = k.cute.compile(k.fc2_host, *[z64] * 7, z32, z32, z32, stream, *shape)
+    return fc1, fc2
+
+
+def permute_k(x: torch.Tensor) -> torch.Tensor:
+    """`x [T, K]` with K permuted within each 16 as the fragment layout permutes the
+    weights' (`fragments._K`): 4c + q to 2c + q (q < 2) or 8 + 2c + q - 2, so that wgmma
+    reads the activations from shared memory in the k order of the decoded weights."""
+    t, k = x.shape
+    return x.view(t, k // 16, 4, 2, 2).transpose(2, 3).reshape(t, k)
+
+
 # --- weights, prepared once per layer --------------------------------------------------------
 
 PREPARED = WeightCache()
@@ -203,7 +261,7 @@ def experts(x, ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_we
     rows [T, k, H])."""
     t, k = ids.shape
     hidden, inter = x.shape[1], w13.shape[1] // 2
-    cfg = config or pick_config(t * k, hidden, inter, k)
+    cfg = config or pick_config(t * k, hidden, inter, k, experts=w13.shape[0])
     if max(cfg.depth1, cfg.depth2) > frag.PAD_CHUNKS:
         raise ValueError(
             f"CuTeDSL MoE config {cfg}: depth {max(cfg.depth1, cfg.depth2)} > "
@@ -218,9 +276,14 @@ def experts(x, ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_we
     h = torch.empty(t * k, inter, device=x.device, dtype=torch.bfloat16)
     combine = topk_weights is not None
     stream = _stream()
+    if cfg.wgmma is not None:
+        runs = compiled_wgmma(k, cfg.wgmma)
+        return _in_blocks(permute_k(x), flat, t, k, h, fc1, fc2, g13, g2, topk_weights,
+                          routed_scale, cfg.wgmma.bn, runs, w13.shape[0], stream)  # fmt: skip
     if cfg.grouped:
-        return _grouped(x, flat, t, k, h, fc1, fc2, g13, g2, topk_weights, routed_scale, cfg,
-                        w13.shape[0], stream)  # fmt: skip
+        runs = compiled_grouped(k, cfg.warps1, cfg.depth1, cfg.warps2, cfg.depth2, cfg.pdl)
+        return _in_blocks(x, flat, t, k, h, fc1, fc2, g13, g2, topk_weights, routed_scale,
+                          GROUP, runs, w13.shape[0], stream)  # fmt: skip
     stage1, stage2 = stage_chunks(cfg, hidden, inter)
     if t:
         compiled_fc1(k, cfg.warps1, cfg.depth1, cfg.pdl, stage1, cfg.step_loads)(
@@ -242,18 +305,19 @@ def experts(x, ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_we
     return out
 
 
-def _grouped(x, flat, t, k, h, fc1, fc2, g13, g2, topk_weights, routed_scale, cfg, experts,
-             stream):  # fmt: skip
-    """Pairs sorted into blocks of one expert; FC1, FC2 (rows) and the finalize."""
+def _in_blocks(act, flat, t, k, h, fc1, fc2, g13, g2, topk_weights, routed_scale, bn, runs,
+               experts, stream):  # fmt: skip
+    """Pairs sorted into blocks of up to `bn` of one expert; FC1 and FC2 (rows) by `runs`
+    (the grouped kernels on x, or the wgmma ones on x with K permuted), and the finalize."""
     from beamfx.kernels.moe import triton as tk
 
-    hidden, inter = x.shape[1], h.shape[1]
-    order, blocks = tk.sort_blocks(flat, experts, GROUP)
-    rows = torch.empty(t, k, hidden, device=x.device, dtype=torch.bfloat16)
-    run1, run2 = compiled_grouped(k, cfg.warps1, cfg.depth1, cfg.warps2, cfg.depth2, cfg.pdl)
+    hidden, inter = act.shape[1], h.shape[1]
+    order, blocks = tk.sort_blocks(flat, experts, bn)
+    rows = torch.empty(t, k, hidden, device=act.device, dtype=torch.bfloat16)
+    run1, run2 = runs
     n_blocks = blocks.shape[0]
     run1(
-        x.data_ptr(), order.data_ptr(), blocks.data_ptr(), fc1.codes.data_ptr(),
+        act.data_ptr(), order.data_ptr(), blocks.data_ptr(), fc1.codes.data_ptr(),
         fc1.scales.data_ptr(), g13.data_ptr(), h.data_ptr(), n_blocks, hidden, inter, stream,
     )  # fmt: skip
     run2(
@@ -271,12 +335,19 @@ LAUNCHES = 2  # per pair; in blocks 4 (the sort, FC1, FC2, the finalize)
 # --- providers -------------------------------------------------------------------------------
 
 
-def why_not_pairs(pairs) -> str | None:
-    """Too many (token, expert) pairs for these kernels. A symbolic count (the passes ask
-    while compiling for any batch size) is not compared: that would guard the graph on it;
-    the run-time call decides."""
-    if isinstance(pairs, int) and pairs > MAX_PAIRS:
-        return f"serves up to {MAX_PAIRS} (token, expert) pairs, got {pairs}"
+def why_not_pairs(pairs, inter: int = 0, experts: int = 0) -> str | None:
+    """Too many (token, expert) pairs an expert for the wgmma kernels on narrow experts
+    (`inter` below GROUP_MIN_INTER), where the Triton kernels are faster. A symbolic count
+    (the passes ask while compiling for any batch size) is not compared: that would guard
+    the graph on it; the run-time call decides."""
+    if not isinstance(pairs, int) or pairs <= MAX_PAIRS or inter >= GROUP_MIN_INTER:
+        return None
+    if pairs > WGMMA_NARROW_MAX_PER_EXPERT * max(experts, 1):
+        return (
+            f"on experts {inter} wide (below {GROUP_MIN_INTER}) serves up to "
+            f"{WGMMA_NARROW_MAX_PER_EXPERT} (token, expert) pairs an expert, got {pairs} "
+            f"pairs on {experts} experts"
+        )
     return None
 
 
@@ -288,10 +359,10 @@ def why_not(x, topk_ids, w13, w2) -> str | None:
         return f"needs bf16 activations and NVFP4 (uint8) weights, got {x.dtype}, {w13.dtype}"
     if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         return f"needs x [T, H] and topk_ids [T, k], got {tuple(x.shape)}, {tuple(topk_ids.shape)}"
-    reason = why_not_pairs(topk_ids.numel())
+    hidden, inter = x.shape[1], w13.shape[1] // 2
+    reason = why_not_pairs(topk_ids.numel(), inter, w13.shape[0])
     if reason:
         return reason
-    hidden, inter = x.shape[1], w13.shape[1] // 2
     return frag.why_not_shape(2 * inter, hidden) or frag.why_not_shape(hidden, inter)
 
 

@@ -99,6 +99,14 @@ def swiglu_row_order(inter: int) -> torch.Tensor:
     return half * inter + 8 * r + i
 
 
+def permuted_k(i):
+    """Where K index `i` sits in the MMA k order of the fragments (`_K`): within each 16,
+    4c + q (q < 2) at 2c + q, 4c + 2 + q at 8 + 2c + q. Integer ops only, so the kernels
+    apply it to their own values too."""
+    q = i & 3
+    return (i & ~15) + ((q >> 1) << 3) + ((i >> 2) & 3) * 2 + (q & 1)
+
+
 def encode_scales(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """E4M3 scales -> (bytes `(e + 9) << 3 | mmm` of |scale|, negative mask, zero mask)."""
     s = scale.float()

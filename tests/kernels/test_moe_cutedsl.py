@@ -121,7 +121,8 @@ def _check(tokens, hidden, inter, experts, top_k, combine, seed, config=None):
     if reason:
         pytest.skip(reason)
     x, ids, wt, q, w13b, w2b = make_moe(tokens, hidden, inter, experts, top_k, "cuda", seed)
-    assert cd.why_not(x, ids, q.w13, q.w2) is None
+    wgmma = config is not None and config.wgmma is not None
+    assert cd.why_not(x, ids, q.w13, q.w2) is None or wgmma
     poison("cuda")
     if combine:
         out = cd.experts(x, ids, *q.tensors(), wt, 1.5, config=config)
@@ -194,6 +195,43 @@ def test_cutedsl_grouped_default_gpu(tokens, inter, experts):
 
 
 @gpu
+@pytest.mark.parametrize(
+    "tokens, hidden, inter, experts, top_k",
+    [
+        (512, 5120, 1536, 64, 8),  # Beam-1.0 TP1 rows: 64 pairs an expert, full blocks
+        (300, 5120, 192, 256, 8),  # one rank of TP8: FC1's 384 rows, 3 chunks of FC2's K
+        (40, 192, 64, 4, 3),  # FC2's 192 rows: a half slice; K of 3 chunks, below the stages
+        (7, 256, 128, 16, 5),  # blocks of 1-5 pairs
+    ],
+)
+@pytest.mark.parametrize("combine", [True, False])
+@pytest.mark.parametrize(
+    "wc",
+    [cd.Wgmma(), cd.Wgmma(bn=32, mt=1, stages=3), cd.Wgmma(bn=16, stages=2)],
+)
+def test_cutedsl_wgmma_matches_reference_gpu(tokens, hidden, inter, experts, top_k, combine,
+                                             wc):  # fmt: skip
+    """The wgmma kernels (forced at any size): weights decoded as the register operand,
+    activations staged in swizzled shared memory, K permuted alike in both."""
+    _check(tokens, hidden, inter, experts, top_k, combine, tokens, cd.Config(wgmma=wc))
+
+
+def test_permute_k_matches_the_fragment_k_order():
+    """`permute_k` puts each K index where the fragments' MMA k order has it: lane c's
+    values a0, a1 (MMA k 2c, 2c+1) and a4, a5 (MMA k 8+2c, 8+2c+1) hold k 4c + `_K[v]`;
+    `fragments.permuted_k` (the kernels' integer form) agrees."""
+    want = [0] * 64
+    for base in range(0, 64, 16):
+        for c in range(4):
+            for v in (0, 1, 4, 5):
+                mma_k = 2 * c + v if v < 2 else 8 + 2 * c + v - 4
+                want[base + mma_k] = base + 4 * c + frag._K[v]
+    k = torch.arange(64, dtype=torch.float32).view(1, 64).to(torch.bfloat16)
+    assert cd.permute_k(k).view(64).long().tolist() == want
+    assert [frag.permuted_k(i) for i in range(64)] == [want.index(i) for i in range(64)]
+
+
+@gpu
 @given(  # hidden >= 256 as in test_moe_kernels.py: at 64 the outputs are so few that the
     # reference's own bf16 weight rounding comes near the tolerance (9.6e-3 in a CPU model of
     # the kernels' arithmetic, 60 cases)
@@ -224,7 +262,7 @@ def test_nvfp4_zero_scales_zero_their_block():
 
 
 def test_pick_config_follows_the_measured_rules():
-    """The defaults bench/NOTES.md (MoE runs 9, 12, 13 and 17) chose: per pair below 64
+    """The defaults bench/NOTES.md (MoE runs 9, 12, 13, 17 and 19) chose: per pair below 64
     pairs (256 on narrow experts), blocks above; FC1 on 8 warps with two chunks in flight
     below 512 CTAs; activations staged in shared memory; PDL where FC2's K fits the chunks
     it loads before waiting; a step's loads from one base address only per pair with
@@ -246,6 +284,10 @@ def test_pick_config_follows_the_measured_rules():
     assert cd.pick_config(256, 5120, tp8, 8).grouped
     assert not cd.pick_config(512, 5120, tp8, 8, grouped=False).grouped  # forced
     assert cd.pick_config(4, 5120, tp1, 2).warps2 == 2  # a warp an expert
+    # above 512 pairs the wgmma kernels (MoE run 19), blocks by pairs an expert
+    assert cd.pick_config(512, 5120, tp1, 8).wgmma is None
+    assert [cd.pick_config(p, 5120, tp1, 8, experts=256).wgmma.bn
+            for p in (513, 2048, 2049, 8192, 8193, 32768)] == [16, 16, 32, 32, 64, 64]  # fmt: skip
 
 
 def test_stage_chunks_split_k_as_the_kernels_do_and_cap_shared_memory():
@@ -298,5 +340,6 @@ def test_pair_limit_leaves_a_symbolic_batch_unguarded():
     tokens = env.create_unbacked_symint()  # comparing an unbacked symbol would raise
     assert cd.why_not_pairs(tokens * 8) is None
     assert not env.guards
-    assert cd.why_not_pairs(512) is None
-    assert "up to 512" in cd.why_not_pairs(513)
+    assert cd.why_not_pairs(32768, 1536, 256) is None  # wide experts: the wgmma kernels
+    assert cd.why_not_pairs(16384, 192, 256) is None  # 64 pairs an expert
+    assert "up to 64 (token, expert) pairs an expert" in cd.why_not_pairs(16392, 192, 256)
