@@ -7,8 +7,9 @@ Triton kernel's registers, spills and shared memory.
 Cases: moe-nvfp4 (TP1 shape, 1 token, both Triton NVFP4 decoders), moe-bf16, router (Triton,
 1 and 16 tokens), boundary (the fused boundary at 4096 rows and `torch.cat` of the same
 bytes; filter "boundary|Cat"), moe-cutedsl (the CuTeDSL NVFP4 experts at a token, TP1;
-"fc"), router-cutedsl (the CuTeDSL router GEMM at 1 and 16 tokens and the Triton whole-row
-kernel at 1; "router|gemv"). Beam-1.0 shapes, random weights; eager calls, so each kernel
+"fc"), moe-wgmma (the CuTeDSL wgmma experts at 4096 tokens, TP1; "gemm_kernel"),
+router-cutedsl (the CuTeDSL router GEMM at 1 and 16 tokens and the Triton whole-row kernel
+at 1; "router|gemv"). Beam-1.0 shapes, random weights; eager calls, so each kernel
 is profiled alone. `bench/results/ncu.md` has a profile of the last three.
 """
 
@@ -95,6 +96,15 @@ def moe_cutedsl_case(runs: int = 4) -> None:
     torch.cuda.synchronize()
 
 
+def moe_wgmma_case(runs: int = 2) -> None:
+    """The CuTeDSL wgmma experts (the default above 512 pairs) at 4096 tokens, TP1."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = bench_moe.random_experts(1536, gen)
+    for x, ids, w in bench_moe.routing_sets(4096, runs, gen):
+        moe_cutedsl.experts(x, ids, *q.tensors(), w, 2.5)
+    torch.cuda.synchronize()
+
+
 def router_cutedsl_case(runs: int = 3) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(256, 5120, generator=gen, device="cuda") / 5120**0.5
@@ -113,6 +123,7 @@ CASES = {
     "router": router_cases,
     "boundary": boundary_case,
     "moe-cutedsl": moe_cutedsl_case,
+    "moe-wgmma": moe_wgmma_case,
     "router-cutedsl": router_cutedsl_case,
 }
 

@@ -52,6 +52,7 @@ from beamfx.ops import Provider
 # pairs an expert, the Triton MMA kernels beyond (bench/NOTES.md, MoE run 19).
 MAX_PAIRS = 512
 WGMMA_NARROW_MAX_PER_EXPERT = 64
+MAX_GRID_Y = 65535  # the wgmma launches' blocks of pairs run along the grid's y
 # From this many pairs, pairs sharing an expert share its weight reads: one launch sorts
 # them into blocks of GROUP columns (`triton.sort_blocks`), FC2 writes rows, a finalize
 # launch combines them (bench/NOTES.md, MoE runs 9 and 13).
@@ -336,13 +337,17 @@ LAUNCHES = 2  # per pair; in blocks 4 (the sort, FC1, FC2, the finalize)
 
 
 def why_not_pairs(pairs, inter: int = 0, experts: int = 0) -> str | None:
-    """Too many (token, expert) pairs an expert for the wgmma kernels on narrow experts
-    (`inter` below GROUP_MIN_INTER), where the Triton kernels are faster. A symbolic count
+    """Too many (token, expert) pairs for the wgmma kernels: more blocks than the grid
+    holds, or more pairs an expert on narrow experts (`inter` below GROUP_MIN_INTER) than
+    where they were measured faster than the Triton kernels. A symbolic count
     (the passes ask while compiling for any batch size) is not compared: that would guard
     the graph on it; the run-time call decides."""
-    if not isinstance(pairs, int) or pairs <= MAX_PAIRS or inter >= GROUP_MIN_INTER:
+    if not isinstance(pairs, int) or pairs <= MAX_PAIRS:
         return None
-    if pairs > WGMMA_NARROW_MAX_PER_EXPERT * max(experts, 1):
+    blocks = pairs // wgmma_bn(pairs, experts) + min(experts, pairs) + 1
+    if blocks > MAX_GRID_Y:
+        return f"{pairs} pairs make up to {blocks} blocks, past the grid's {MAX_GRID_Y}"
+    if inter < GROUP_MIN_INTER and pairs > WGMMA_NARROW_MAX_PER_EXPERT * max(experts, 1):
         return (
             f"on experts {inter} wide (below {GROUP_MIN_INTER}) serves up to "
             f"{WGMMA_NARROW_MAX_PER_EXPERT} (token, expert) pairs an expert, got {pairs} "

@@ -128,7 +128,7 @@ def gemm_kernel(
     """One block of pairs x `mt` 64-row slices of the weights. `swiglu` (FC1): B rows are
     the pairs' tokens of `act` (x, K permuted), the output h in sorted order, K permuted;
     else (FC2): B rows are `act` rows in sorted order (h), the output each pair's row."""
-    blk, mc, _ = cute.arch.block_idx()
+    mc, blk, _ = cute.arch.block_idx()  # slices fastest: a block's activations stay in L2
     tid, warp, lane, g, lc = thread_coords()
     base = cute.arch.alloc_smem(Int32, stages * bn * 32, alignment=1024).toint()
     ahead = stages - 1  # chunks the copies run ahead
@@ -236,7 +236,7 @@ def fc1_host(
     gemm_kernel(
         x, order, blocks, codes, scales, g13, h, hidden, 2 * inter, inter, topk, bn, mt,
         stages, True,
-    ).launch(grid=[n_blocks, slices, 1], block=[WARPGROUP, 1, 1], stream=stream)  # fmt: skip
+    ).launch(grid=[slices, n_blocks, 1], block=[WARPGROUP, 1, 1], stream=stream)  # fmt: skip
 
 
 @cute.jit
@@ -249,4 +249,4 @@ def fc2_host(
     gemm_kernel(
         h, order, blocks, codes, scales, g2, rows, inter, hidden, hidden, 1, bn, mt, stages,
         False,
-    ).launch(grid=[n_blocks, slices, 1], block=[WARPGROUP, 1, 1], stream=stream)  # fmt: skip
+    ).launch(grid=[slices, n_blocks, 1], block=[WARPGROUP, 1, 1], stream=stream)  # fmt: skip

@@ -343,3 +343,4 @@ def test_pair_limit_leaves_a_symbolic_batch_unguarded():
     assert cd.why_not_pairs(32768, 1536, 256) is None  # wide experts: the wgmma kernels
     assert cd.why_not_pairs(16384, 192, 256) is None  # 64 pairs an expert
     assert "up to 64 (token, expert) pairs an expert" in cd.why_not_pairs(16392, 192, 256)
+    assert "past the grid's 65535" in cd.why_not_pairs(64 * 65536, 1536, 256)
