@@ -1,6 +1,7 @@
-"""CuTeDSL NVFP4 (W4A16) MoE experts for Hopper at decode sizes: tensor-core MMAs on codes
-decoded in registers, weights repacked once into the fragment layout of
-`kernels/moe/fragments.py`.
+"""CuTeDSL NVFP4 (W4A16) MoE experts for Hopper: tensor-core MMAs on codes decoded in
+registers, weights repacked once into the fragment layout of `kernels/moe/fragments.py`.
+Per pair or in blocks of 8 at decode sizes (`mma.sync`), through wgmma above MAX_PAIRS
+(`cutedsl_wgmma_kernels.py`: the same fragments are wgmma's register operand A).
 
 Per pair (below `GROUP_MIN_PAIRS`), two launches, as the Triton FMA path they replace:
 1. FC1 + SwiGLU: a CTA owns one (token, expert) pair and one 16-row tile (8 gate rows and
@@ -126,10 +127,10 @@ class Wgmma:
     stages: int = 4
 
     def __post_init__(self):
-        if self.bn not in (16, 32, 48, 64, 80, 96, 112, 128) or self.mt not in (1, 2):
+        if self.bn not in (16, 32, 64, 128) or self.mt not in (1, 2) or self.bn * self.mt > 128:
             raise ValueError(
-                f"CuTeDSL wgmma MoE {self}: bn must be a multiple of 16 up to 128 and mt 1 or "
-                f"2 (the accumulators are mt x bn / 2 registers a thread)"
+                f"CuTeDSL wgmma MoE {self}: bn must be 16, 32, 64 or 128, mt 1 or 2 and bn x "
+                f"mt at most 128 (the accumulators are mt x bn / 2 registers a thread)"
             )
         if not 2 <= self.stages <= 6:
             raise ValueError(f"CuTeDSL wgmma MoE {self}: stages must be 2-6, got {self.stages}")
@@ -330,7 +331,7 @@ def _in_blocks(act, flat, t, k, h, fc1, fc2, g13, g2, topk_weights, routed_scale
     return tk.finalize_rows(rows, topk_weights, routed_scale)
 
 
-LAUNCHES = 2  # per pair; in blocks 4 (the sort, FC1, FC2, the finalize)
+LAUNCHES = 2  # per pair; in blocks 4 (the sort, FC1, FC2, the finalize); wgmma 5 (+ x permuted)
 
 
 # --- providers -------------------------------------------------------------------------------

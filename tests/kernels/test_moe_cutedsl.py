@@ -216,6 +216,16 @@ def test_cutedsl_wgmma_matches_reference_gpu(tokens, hidden, inter, experts, top
     _check(tokens, hidden, inter, experts, top_k, combine, tokens, cd.Config(wgmma=wc))
 
 
+def test_wgmma_config_refuses_shapes_the_kernels_do_not_build():
+    assert cd.Wgmma(bn=128, mt=1).bn == 128
+    with pytest.raises(ValueError, match="bn must be 16, 32, 64 or 128, mt 1 or 2"):
+        cd.Wgmma(bn=24)
+    with pytest.raises(ValueError, match="bn x mt at most 128"):
+        cd.Wgmma(bn=128, mt=2)
+    with pytest.raises(ValueError, match="stages must be 2-6, got 1"):
+        cd.Wgmma(stages=1)
+
+
 def test_permute_k_matches_the_fragment_k_order():
     """`permute_k` puts each K index where the fragments' MMA k order has it: lane c's
     values a0, a1 (MMA k 2c, 2c+1) and a4, a5 (MMA k 8+2c, 8+2c+1) hold k 4c + `_K[v]`;
