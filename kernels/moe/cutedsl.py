@@ -337,7 +337,7 @@ LAUNCHES = 2  # per pair; in blocks 4 (the sort, FC1, FC2, the finalize); wgmma 
 # --- providers -------------------------------------------------------------------------------
 
 
-def why_not_pairs(pairs, inter: int = 0, experts: int = 0) -> str | None:
+def why_not_pairs(pairs, inter: int, experts: int) -> str | None:
     """Too many (token, expert) pairs for the wgmma kernels: more blocks than the grid
     holds, or more pairs an expert on narrow experts (`inter` below GROUP_MIN_INTER) than
     where they were measured faster than the Triton kernels. A symbolic count

@@ -348,7 +348,7 @@ def test_pair_limit_leaves_a_symbolic_batch_unguarded():
 
     env = ShapeEnv()
     tokens = env.create_unbacked_symint()  # comparing an unbacked symbol would raise
-    assert cd.why_not_pairs(tokens * 8) is None
+    assert cd.why_not_pairs(tokens * 8, 192, 256) is None
     assert not env.guards
     assert cd.why_not_pairs(32768, 1536, 256) is None  # wide experts: the wgmma kernels
     assert cd.why_not_pairs(16384, 192, 256) is None  # 64 pairs an expert
