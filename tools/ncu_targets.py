@@ -88,19 +88,11 @@ def boundary_case(runs: int = 3) -> None:
     describe(boundary_triton._boundary_kernel)
 
 
-def moe_cutedsl_case(runs: int = 4) -> None:
+def moe_cutedsl_case(tokens: int = 1, runs: int = 4) -> None:
+    """The CuTeDSL NVFP4 experts, TP1: at a token per pair, at 4096 tokens through wgmma."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = bench_moe.random_experts(1536, gen)
-    for x, ids, w in bench_moe.routing_sets(1, runs, gen):
-        moe_cutedsl.experts(x, ids, *q.tensors(), w, 2.5)
-    torch.cuda.synchronize()
-
-
-def moe_wgmma_case(runs: int = 2) -> None:
-    """The CuTeDSL wgmma experts (the default above 512 pairs) at 4096 tokens, TP1."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q = bench_moe.random_experts(1536, gen)
-    for x, ids, w in bench_moe.routing_sets(4096, runs, gen):
+    for x, ids, w in bench_moe.routing_sets(tokens, runs, gen):
         moe_cutedsl.experts(x, ids, *q.tensors(), w, 2.5)
     torch.cuda.synchronize()
 
@@ -123,7 +115,7 @@ CASES = {
     "router": router_cases,
     "boundary": boundary_case,
     "moe-cutedsl": moe_cutedsl_case,
-    "moe-wgmma": moe_wgmma_case,
+    "moe-wgmma": lambda: moe_cutedsl_case(4096, runs=2),
     "router-cutedsl": router_cutedsl_case,
 }
 

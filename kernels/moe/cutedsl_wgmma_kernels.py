@@ -47,35 +47,12 @@ def cp_async16(smem, src, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def cp_async_commit(*, loc=None, ip=None):
-    _asm([], [], "cp.async.commit_group;", "", True, loc, ip)
-
-
-@dsl_user_op
-def cp_async_wait(pending, *, loc=None, ip=None):
-    """Until at most `pending` (a constant) of this thread's copy groups are in flight."""
-    _asm([], [], f"cp.async.wait_group {pending};", "", True, loc, ip)
-
-
-@dsl_user_op
-def fence_async_shared(*, loc=None, ip=None):
-    """Shared-memory writes of the generic proxy (`cp.async`) made visible to wgmma's reads."""
-    _asm([], [], "fence.proxy.async.shared::cta;", "", True, loc, ip)
-
-
-@dsl_user_op
-def wgmma_fence(*, loc=None, ip=None):
-    _asm([], [], "wgmma.fence.sync.aligned;", "", True, loc, ip)
-
-
-@dsl_user_op
-def wgmma_commit(*, loc=None, ip=None):
-    _asm([], [], "wgmma.commit_group.sync.aligned;", "", True, loc, ip)
-
-
-@dsl_user_op
-def wgmma_wait(pending, *, loc=None, ip=None):
-    _asm([], [], f"wgmma.wait_group.sync.aligned {pending};", "", True, loc, ip)
+def ptx(text, *, loc=None, ip=None):
+    """One PTX statement without operands, kept in program order: `cp.async.commit_group`,
+    `cp.async.wait_group N` (until at most N of this thread's copy groups are in flight),
+    `fence.proxy.async.shared::cta` (the copies' shared-memory writes made visible to
+    wgmma's reads), `wgmma.fence`, `wgmma.commit_group`, `wgmma.wait_group N`."""
+    _asm([], [], text, "", True, loc, ip)
 
 
 @dsl_user_op
@@ -163,20 +140,20 @@ def gemm_kernel(
             if s < kc:
                 for q in cutlass.range_constexpr(per):
                     cp_async16(base + s * stage_bytes + q * stride + dst, src[q] + s * 128)
-            cp_async_commit()
+            ptx("cp.async.commit_group;")
         wa, sa = load_weights(w_at, s_at, 0, mt)
         wb, sb = load_weights(w_at, s_at, cutlass.min(1, kc - 1), mt)
         acc = (Float32(0.0),) * (mt * bn // 2)
         for c in cutlass.range(0, kc):
-            cp_async_wait(ahead - 1)
-            fence_async_shared()
+            ptx(f"cp.async.wait_group {ahead - 1};")
+            ptx("fence.proxy.async.shared::cta;")
             cute.arch.sync_threads()  # chunk c landed; every warp is past chunk c - 1
             nxt = c + ahead
             if nxt < kc:
                 at = base + (nxt % stages) * stage_bytes + dst
                 for q in cutlass.range_constexpr(per):
                     cp_async16(at + q * stride, src[q] + nxt * 128)
-            cp_async_commit()
+            ptx("cp.async.commit_group;")
             w, s = wa, sa
             wa, sa = wb, sb
             wb, sb = load_weights(w_at, s_at, cutlass.min(c + 2, kc - 1), mt)
@@ -186,7 +163,7 @@ def gemm_kernel(
                     frags = frags + (
                         decode_tile(w[4 * m + i], tile_scales(s[2 * m + i // 2], i % 2)),
                     )
-            wgmma_fence()
+            ptx("wgmma.fence.sync.aligned;")
             stage_at = base + (c % stages) * stage_bytes
             new = ()
             for m in cutlass.range_constexpr(mt):
@@ -195,8 +172,8 @@ def gemm_kernel(
                     part = wgmma(part, frags[4 * m + i], smem_desc(stage_at + i * 32))
                 new = new + part
             acc = new
-            wgmma_commit()
-            wgmma_wait(0)
+            ptx("wgmma.commit_group.sync.aligned;")
+            ptx("wgmma.wait_group.sync.aligned 0;")
 
         # epilogue: tile rows g (FC1: gate) and g + 8 (FC1: up), columns 8j + 2 lc + h
         if cutlass.const_expr(swiglu):
