@@ -109,6 +109,11 @@ def routing_sets(tokens: int, n_sets: int, gen: torch.Generator):
     return sets
 
 
+def moe_flops(tokens: int, inter: int) -> float:
+    """FLOPs of the experts: tokens x top-k pairs, 3 matrices of hidden x inter each."""
+    return 2 * tokens * TOP_K * 3 * HIDDEN * inter
+
+
 def nvfp4_floor_us(experts: float, inter: int, bw: float) -> float:
     """The NVFP4 weight-bytes floor: `experts` x 3 matrices x hidden x inter x 0.5625 bytes
     at copy bandwidth `bw` (bytes/s)."""
@@ -259,7 +264,7 @@ def bench_shape(
             shape=shape, inter=inter, tokens=tokens, experts_touched=distinct,
             floor_nvfp4_us=nvfp4_floor_us(distinct, inter, bw),
             floor_bf16_us=distinct * 3 * HIDDEN * inter * 2 / bw * 1e6,
-            floor_flops_us=2 * tokens * TOP_K * 3 * HIDDEN * inter / mm * 1e6,
+            floor_flops_us=moe_flops(tokens, inter) / mm * 1e6,
         )  # fmt: skip
         row["nvfp4_path"] = (
             "FMA" if tk.pick_config(tokens * TOP_K, HIDDEN, inter, True).fma else "MMA"
@@ -491,7 +496,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     ]
     for r in rows:
         fp4 = r["nvfp4_triton_us"]
-        tflops = 2 * r["tokens"] * TOP_K * 3 * HIDDEN * r["inter"] / (fp4 * 1e-6) / 1e12
+        tflops = moe_flops(r["tokens"], r["inter"]) / fp4 / 1e6
         refus = f"{r['reference_us']:.0f}" if "reference_us" in r else "-"
         best = "-"
         if "nvfp4_best_us" in r:
@@ -504,7 +509,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             c = r["nvfp4_cutedsl_us"]
             cute = f"{c:.1f} ({100 * r['floor_nvfp4_us'] / c:.0f}%, {r['bf16_triton_us'] / c:.2f}x"
             if r["tokens"] * TOP_K > cd.MAX_PAIRS:  # the wgmma kernels: their FLOP rate
-                tf = 2 * r["tokens"] * TOP_K * 3 * HIDDEN * r["inter"] / (c * 1e-6) / 1e12
+                tf = moe_flops(r["tokens"], r["inter"]) / c / 1e6
                 share = 100 * tf / meta["bf16_matmul_TFLOPs"]
                 cute += f"; {tf:.0f} TFLOP/s, {share:.0f}% of matmul"
             cute += ")"

@@ -56,7 +56,7 @@ def sweep_shape(shape: str, tokens_list, configs, rounds: int, mm: float, gen) -
                 ok[name] = fn
             except Exception as exc:  # a config that does not compile or launch
                 print(f"{shape} T={tokens} {name}: {type(exc).__name__}: {exc}"[:500])
-        flops = tokens * bm.TOP_K * 3 * bm.HIDDEN * inter * 2
+        flops = bm.moe_flops(tokens, inter)
         for name, t in bm.interleaved_rounds(ok, sets, rounds).items():
             med = statistics.median(t)
             tflops = flops / med / 1e6
