@@ -4,7 +4,8 @@ CuTeDSL kernels per pair or in blocks; Beam-1.0-shaped, interleaved rounds, CUDA
 replay medians. Each variant is checked against the NVFP4 Triton output first.
 
     python tools/sweep_moe_wgmma.py [--shapes TP1 TP8] [--tokens 512 4096] [--rounds 3]
-        [--configs '[[64, 2, 4]]' (bn, mt, stages)] [--out FILE]
+        [--configs '[[64, 2, 4]]' (bn, mt, stages[, ctas, wgs]: `cutedsl.Wgmma`)]
+        [--out FILE]
 """
 
 from __future__ import annotations
@@ -24,16 +25,22 @@ import bench_moe as bm  # noqa: E402
 from beamfx.kernels.moe import cutedsl as cd  # noqa: E402
 from beamfx.kernels.moe import triton as tk  # noqa: E402
 
-CONFIGS = [(64, 2, 4), (32, 2, 4), (64, 2, 3), (16, 2, 4)]
+CONFIGS = [(64, 2, 4, 2, 2), (64, 2, 4), (32, 2, 4), (16, 2, 4)]
+
+
+def wgmma_name(wc: cd.Wgmma) -> str:
+    """wgmma_{bn}_{mt}_{stages}, then _c{ctas} and _w{wgs} where they are set."""
+    name = f"wgmma_{wc.bn}_{wc.mt}_{wc.stages}"
+    return name + (f"_c{wc.ctas}" if wc.ctas else "") + (f"_w{wc.wgs}" if wc.wgs > 1 else "")
 
 
 def variants(q, configs, pairs: int) -> dict:
     """name -> fn(x, ids, weights) for one experts stack."""
     scales = (q.w13_scale, q.w13_global, q.w2_scale, q.w2_global)
     fns = {"triton_nvfp4": lambda x, i, w: tk.moe(x, i, q.w13, q.w2, scales, w, 2.5)}
-    for bn, mt, stages in configs:
-        cfg = cd.Config(wgmma=cd.Wgmma(bn=bn, mt=mt, stages=stages))
-        fns[f"wgmma_{bn}_{mt}_{stages}"] = lambda x, i, w, c=cfg: cd.experts(
+    for fields in configs:
+        cfg = cd.Config(wgmma=cd.Wgmma(*fields))
+        fns[wgmma_name(cfg.wgmma)] = lambda x, i, w, c=cfg: cd.experts(
             x, i, *q.tensors(), w, 2.5, config=c
         )
     if pairs <= cd.MAX_PAIRS:  # the CuTeDSL default below the wgmma path
@@ -75,7 +82,9 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(bm.SHAPES))
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 4096])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--configs", default=None, help="JSON list of [bn, mt, stages]")
+    ap.add_argument(
+        "--configs", default=None, help="JSON list of Wgmma fields [bn, mt, stages, ctas, wgs]"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     configs = [tuple(c) for c in json.loads(args.configs)] if args.configs else CONFIGS

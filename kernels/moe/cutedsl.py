@@ -48,11 +48,9 @@ from beamfx.kernels.moe import fragments as frag
 from beamfx.kernels.moe.weight_cache import WeightCache
 from beamfx.ops import Provider
 
-# Above MAX_PAIRS (tokens x top-k) the wgmma kernels (`Wgmma`) serve, blocks of `wgmma_bn`
-# pairs; on narrow experts (below GROUP_MIN_INTER) only up to WGMMA_NARROW_MAX_PER_EXPERT
-# pairs an expert, the Triton MMA kernels beyond (bench/NOTES.md, MoE run 19).
+# Above MAX_PAIRS (tokens x top-k) the wgmma kernels serve, configured by `wgmma_config`
+# (bench/NOTES.md, MoE runs 19 and 20).
 MAX_PAIRS = 512
-WGMMA_NARROW_MAX_PER_EXPERT = 64
 MAX_GRID_Y = 65535  # the wgmma launches' blocks of pairs run along the grid's y
 # From this many pairs, pairs sharing an expert share its weight reads: one launch sorts
 # them into blocks of GROUP columns (`triton.sort_blocks`), FC2 writes rows, a finalize
@@ -119,12 +117,15 @@ class Config:
 @dataclass(frozen=True)
 class Wgmma:
     """The wgmma kernels (`cutedsl_wgmma_kernels.py`): `bn` pairs a block (wgmma's N),
-    `mt` 64-row slices of the weights a CTA, `stages` chunks of activations in shared
-    memory."""
+    `mt` 64-row slices of the weights a warpgroup, `stages` chunks of activations and weights
+    in shared memory, `wgs` warpgroups a CTA (sharing the activations), `ctas` CTAs an SM
+    the registers are capped for (0: no cap)."""
 
     bn: int = 64
     mt: int = 2
     stages: int = 4
+    ctas: int = 0
+    wgs: int = 1
 
     def __post_init__(self):
         if self.bn not in (16, 32, 64, 128) or self.mt not in (1, 2) or self.bn * self.mt > 128:
@@ -134,22 +135,39 @@ class Wgmma:
             )
         if not 2 <= self.stages <= 6:
             raise ValueError(f"CuTeDSL wgmma MoE {self}: stages must be 2-6, got {self.stages}")
+        if self.wgs not in (1, 2) or self.bn * 8 < 128 * self.wgs:
+            raise ValueError(
+                f"CuTeDSL wgmma MoE {self}: wgs (warpgroups a CTA) must be 1 or 2, and 2 needs "
+                f"bn >= 32 (each thread copies whole 16-byte units of the block's rows)"
+            )
+        if not 0 <= self.ctas <= 4:
+            raise ValueError(
+                f"CuTeDSL wgmma MoE {self}: ctas (CTAs an SM the registers are capped for; 0: "
+                f"no cap) must be 0-4, got {self.ctas}"
+            )
 
 
 FEW_CTAS = 512  # FC1 below this many CTAs (one TP8 rank at a token: 192) splits K 8 ways
 
 
-def wgmma_bn(pairs: int, experts: int) -> int:
-    """Pairs a wgmma block by pairs an expert (MoE run 19): 16 to 8, 32 to 32, else 64."""
+def wgmma_config(pairs: int, experts: int, inter: int) -> Wgmma:
+    """By pairs an expert (MoE run 20): blocks of 16 to 8 pairs, of 32 to 16 on wide experts
+    (`inter` from GROUP_MIN_INTER) and to 32 on narrow ones; beyond, blocks of 64, on wide
+    experts two warpgroups a CTA (128 registers, two CTAs an SM)."""
     per_expert = pairs / max(experts, 1)
-    return 16 if per_expert <= 8 else 32 if per_expert <= 32 else 64
+    wide = inter >= GROUP_MIN_INTER
+    if per_expert <= 8:
+        return Wgmma(bn=16)
+    if per_expert <= (16 if wide else 32):
+        return Wgmma(bn=32)
+    return Wgmma(bn=64, ctas=2, wgs=2) if wide else Wgmma(bn=64)
 
 
 def pick_config(
     pairs: int, hidden: int, inter: int, top_k: int, grouped: bool | None = None,
     experts: int = 0,
 ) -> Config:  # fmt: skip
-    """Above MAX_PAIRS, the wgmma kernels with `wgmma_bn` pairs a block (`experts`: 0 is
+    """Above MAX_PAIRS, the wgmma kernels as `wgmma_config` sets them (`experts`: 0 is
     unknown, taken as 256). Below, measured on an H200 (bench/NOTES.md, MoE runs 9, 12, 13,
     17): four chunks in flight
     a lane, FC1 on 4 warps (8 where there are few CTAs), FC2 one warp an expert; blocks of pairs
@@ -159,7 +177,7 @@ def pick_config(
     Per pair on wide experts, a step's loads from one base address (`step_loads`, run 17:
     2-3% faster at TP1 a token; slower on one TP8 rank's experts and in blocks)."""
     if pairs > MAX_PAIRS:
-        return Config(wgmma=Wgmma(bn=wgmma_bn(pairs, experts or 256)))
+        return Config(wgmma=wgmma_config(pairs, experts or 256, inter))
     pdl = PDL and inter <= 64 * Config.depth2
     if grouped is None:  # else forced (benchmark sweeps)
         grouped = pairs >= (GROUP_MIN_PAIRS if inter >= GROUP_MIN_INTER else GROUP_MIN_PAIRS_NARROW)
@@ -222,7 +240,7 @@ def compiled_wgmma(topk: int, wc: Wgmma):
         raise RuntimeError(why)
     z64, z32 = k.Int64(0), k.Int32(1)
     stream = _stream_type()(0)
-    shape = (wc.bn, wc.mt, wc.stages)
+    shape = (wc.bn, wc.mt, wc.stages, wc.ctas, wc.wgs)
     fc1 = k.cute.compile(k.fc1_host, *[z64] * 7, z32, z32, z32, stream, topk, *shape)
     fc2 = k.cute.compile(k.fc2_host, *[z64] * 7, z32, z32, z32, stream, *shape)
     return fc1, fc2
@@ -339,21 +357,14 @@ LAUNCHES = 2  # per pair; in blocks 4 (the sort, FC1, FC2, the finalize); wgmma 
 
 def why_not_pairs(pairs, inter: int, experts: int) -> str | None:
     """Too many (token, expert) pairs for the wgmma kernels: more blocks than the grid
-    holds, or more pairs an expert on narrow experts (`inter` below GROUP_MIN_INTER) than
-    where they were measured faster than the Triton kernels. A symbolic count
+    holds. A symbolic count
     (the passes ask while compiling for any batch size) is not compared: that would guard
     the graph on it; the run-time call decides."""
     if not isinstance(pairs, int) or pairs <= MAX_PAIRS:
         return None
-    blocks = pairs // wgmma_bn(pairs, experts) + min(experts, pairs) + 1
+    blocks = pairs // wgmma_config(pairs, experts, inter).bn + min(experts, pairs) + 1
     if blocks > MAX_GRID_Y:
         return f"{pairs} pairs make up to {blocks} blocks, past the grid's {MAX_GRID_Y}"
-    if inter < GROUP_MIN_INTER and pairs > WGMMA_NARROW_MAX_PER_EXPERT * max(experts, 1):
-        return (
-            f"on experts {inter} wide (below {GROUP_MIN_INTER}) serves up to "
-            f"{WGMMA_NARROW_MAX_PER_EXPERT} (token, expert) pairs an expert, got {pairs} "
-            f"pairs on {experts} experts"
-        )
     return None
 
 

@@ -1,23 +1,25 @@
 """The CuTeDSL wgmma kernel of `kernels/moe/cutedsl.py` for many pairs (imported only where
 CuTeDSL is installed): NVFP4 weights decoded in registers as wgmma's A operand, the
-activations (B) staged in shared memory.
+activations (B) and the weights' codes and scales staged in shared memory.
 
 The pairs are sorted into blocks of up to `bn` of one expert (`triton.sort_blocks`). A CTA is
-one warpgroup and owns one block and `mt` x 64 weight rows (warp w of the warpgroup holds rows
-16w..16w+15 of each 64: the 16-row tile of the fragment layout, in the registers `mma.sync`
-takes, which are wgmma's too). Its K loop, a chunk of 64 at a time:
-- the block's activation rows for chunk c + stages - 1 copy into shared memory (`cp.async`,
-  16 bytes a thread at a time) in 128-byte swizzle atoms, the layout wgmma's matrix
-  descriptor reads (K-major, 8 rows x 128 bytes, 1024 bytes apart);
-- each warp decodes its tiles' codes of chunk c (loaded two chunks ahead into registers);
-- 4 x `mt` `wgmma.m64n{bn}k16`, waited before the next chunk (the SM's other CTAs fill the
-  gap).
-The activations' K is permuted within each 16 as the fragment layout permutes the weights'
-(`permute_k` in `cutedsl.py`). FC1's epilogue applies SwiGLU (a thread holds a gate row and
-its up row) and writes h in sorted order with K permuted, so FC2's B rows are contiguous;
-FC2 writes each pair's bf16 row for the finalize launch.
+`wgs` warpgroups and owns one block and `mt` x 64 weight rows a warpgroup (warp w of a
+warpgroup holds rows 16w..16w+15 of each 64: the 16-row tile of the fragment layout, in the
+registers `mma.sync` takes, which are wgmma's too). Its K loop, a chunk of 64 at a time:
+- chunk c + stages - 1 copies into shared memory (`cp.async`, 16 bytes a thread at a time,
+  one commit group a chunk): the block's activation rows in 128-byte swizzle atoms, the
+  layout wgmma's matrix descriptor reads (K-major, 8 rows x 128 bytes, 1024 bytes apart),
+  and each warp's codes (512 bytes a tile) and scales (64);
+- each warp reads its tiles' codes and scales of chunk c from shared memory and decodes them;
+- 4 x `mt` `wgmma.m64n{bn}k16` a warpgroup, waited before the next chunk (the SM's other
+  CTAs fill the gap).
+Both warpgroups of a CTA read the same activation stages, so a block's activations cross
+from L2 once a CTA of 64 x `mt` x `wgs` rows. The activations' K is permuted within each 16
+as the fragment layout permutes the weights' (`permute_k` in `cutedsl.py`). FC1's epilogue
+applies SwiGLU (a thread holds a gate row and its up row) and writes h in sorted order with K
+permuted, so FC2's B rows are contiguous; FC2 writes each pair's bf16 row for the finalize
+launch.
 """
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
@@ -29,8 +31,7 @@ from beamfx.kernels.moe.cutedsl_kernels import (
     decode_tile,
     ld_f32,
     ld_s32,
-    ld_v2,
-    ld_v4,
+    ld_shared_v2,
     round_bf16,
     st_bf16,
     thread_coords,
@@ -44,6 +45,12 @@ WARPGROUP = 128  # threads of a CTA
 def cp_async16(smem, src, *, loc=None, ip=None):
     _asm([], [Int32(smem), Int64(src)], "cp.async.cg.shared.global [$0], [$1], 16;", "r,l",
          True, loc, ip)  # fmt: skip
+
+
+@dsl_user_op
+def ld_shared_v4(addr, *, loc=None, ip=None):
+    return _asm([Int32] * 4, [Int32(addr)], "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];",
+                "=r,=r,=r,=r,r", True, loc, ip)  # fmt: skip
 
 
 @dsl_user_op
@@ -85,14 +92,70 @@ def wgmma(acc, a, desc, *, loc=None, ip=None):
 
 
 @cute.jit
-def load_weights(w_at, s_at, ch, mt: cutlass.Constexpr):
-    """Codes (4 words) and scales (2 words) of chunk `ch` for each of the warp's `mt` tiles."""
+def chunk_start(c, kc, base, dst, src, per: cutlass.Constexpr, stride: cutlass.Constexpr,
+                stage_bytes: cutlass.Constexpr, stages: cutlass.Constexpr):  # fmt: skip
+    """Wait for chunk c's copies, then start the activation copies of chunk c + stages - 1
+    into the stage chunk c - 1 used (every warp has waited its wgmmas: the barrier); the
+    caller adds the weights' copies (`copy_weights`) and commits the group."""
+    ahead = stages - 1
+    ptx(f"cp.async.wait_group {ahead - 1};")
+    ptx("fence.proxy.async.shared::cta;")
+    cute.arch.sync_threads()  # chunk c landed; every warp is past chunk c - 1
+    nxt = c + ahead
+    if nxt < kc:
+        at = base + (nxt % stages) * stage_bytes + dst
+        for q in cutlass.range_constexpr(per):
+            cp_async16(at + q * stride, src[q] + nxt * 128)
+
+
+@cute.jit
+def copy_weights(n, at, w_src, s_src, lane, warp, mt: cutlass.Constexpr,
+                 wpc: cutlass.Constexpr):  # fmt: skip
+    """Chunk n's codes (512 bytes a tile: this thread's own 16) and scales (64 bytes a
+    tile, lanes 0-3) of the warp's `mt` tiles into the weights' stage at `at`."""
+    for m in cutlass.range_constexpr(mt):
+        cp_async16(at + (m * wpc + warp) * 512 + lane * 16, w_src[m] + Int64(n) * 512)
+    if lane < 4:
+        for m in cutlass.range_constexpr(mt):
+            at_s = at + mt * wpc * 512 + (m * wpc + warp) * 64 + lane * 16
+            cp_async16(at_s, s_src[m] + Int64(n) * 64)
+
+
+@cute.jit
+def read_weights(at, lane, warp, g, mt: cutlass.Constexpr, wpc: cutlass.Constexpr):
+    """The warp's codes and scales of one chunk from the weights' stage at `at`."""
     w = ()
     s = ()
     for m in cutlass.range_constexpr(mt):
-        w = w + ld_v4(w_at[m] + Int64(ch) * 512)
-        s = s + ld_v2(s_at[m] + Int64(ch) * 64)
+        w = w + ld_shared_v4(at + (m * wpc + warp) * 512 + lane * 16)
+        s = s + ld_shared_v2(at + mt * wpc * 512 + (m * wpc + warp) * 64 + g * 8)
     return w, s
+
+
+@cute.jit
+def chunk_mma(acc, frags, stage_at, mt: cutlass.Constexpr, bn: cutlass.Constexpr):
+    """acc += this chunk's A fragments x the stage at `stage_at`: 4 x `mt` wgmmas, one
+    commit group (not waited here)."""
+    ptx("wgmma.fence.sync.aligned;")
+    new = ()
+    for m in cutlass.range_constexpr(mt):
+        part = acc[m * (bn // 2) : (m + 1) * (bn // 2)]
+        for i in cutlass.range_constexpr(4):
+            f = 16 * m + 4 * i
+            part = wgmma(part, frags[f : f + 4], smem_desc(stage_at + i * 32))
+        new = new + part
+    ptx("wgmma.commit_group.sync.aligned;")
+    return new
+
+
+@cute.jit
+def decode_chunk(w, s, mt: cutlass.Constexpr):
+    """The A fragments of one chunk, 4 registers a 16 x 16 tile, tiles in wgmma order."""
+    frags = ()
+    for m in cutlass.range_constexpr(mt):
+        for i in cutlass.range_constexpr(4):
+            frags = frags + decode_tile(w[4 * m + i], tile_scales(s[2 * m + i // 2], i % 2))
+    return frags
 
 
 @cute.kernel
@@ -100,14 +163,17 @@ def gemm_kernel(
     act: Int64, order: Int64, blocks: Int64, codes: Int64, scales: Int64, gscale: Int64,
     out: Int64, k_dim: Int32, rows: Int32, out_stride: Int32, topk: cutlass.Constexpr,
     bn: cutlass.Constexpr, mt: cutlass.Constexpr, stages: cutlass.Constexpr,
-    swiglu: cutlass.Constexpr,
+    swiglu: cutlass.Constexpr, wgs: cutlass.Constexpr,
 ):  # fmt: skip
-    """One block of pairs x `mt` 64-row slices of the weights. `swiglu` (FC1): B rows are
+    """One block of pairs x `wgs` x `mt` 64-row slices of the weights. `swiglu` (FC1): B rows are
     the pairs' tokens of `act` (x, K permuted), the output h in sorted order, K permuted;
     else (FC2): B rows are `act` rows in sorted order (h), the output each pair's row."""
     mc, blk, _ = cute.arch.block_idx()  # slices fastest: a block's activations stay in L2
     tid, warp, lane, g, lc = thread_coords()
-    base = cute.arch.alloc_smem(Int32, stages * bn * 32, alignment=1024).toint()
+    wpc = 4 * wgs  # warps a CTA
+    wstage = mt * wpc * 576  # bytes of weights a stage: codes 512 and scales 64 a tile
+    words = stages * (bn * 32 + wstage // 4)
+    base = cute.arch.alloc_smem(Int32, words, alignment=1024).toint()
     ahead = stages - 1  # chunks the copies run ahead
     e = ld_s32(blocks + Int64(blk) * 12)
     if e >= 0:
@@ -119,11 +185,11 @@ def gemm_kernel(
         # this thread's copies: 16 bytes (unit u of 8 in a 128-byte row) of rows n_q
         u = tid % 8
         dst = (tid // 8) * 128 + ((u ^ ((tid // 8) % 8)) * 16)
-        per = bn * 8 // WARPGROUP  # copies a thread makes a chunk, 16 rows apart
-        stride = 16 * 128
+        per = bn * 8 // (WARPGROUP * wgs)  # copies a thread makes a chunk
+        stride = 4 * wpc * 128  # between them: the CTA's threads cover 4 x wpc rows
         src = ()
         for q in cutlass.range_constexpr(per):
-            r = start + cutlass.min(tid // 8 + 16 * q, cols - 1)
+            r = start + cutlass.min(tid // 8 + 4 * wpc * q, cols - 1)
             row = Int64(r)
             if cutlass.const_expr(swiglu):
                 row = Int64(ld_s32(order + Int64(r) * 4) // topk)
@@ -131,48 +197,29 @@ def gemm_kernel(
         w_at = ()
         s_at = ()
         for m in cutlass.range_constexpr(mt):
-            rt = cutlass.min(mc * mt * 4 + m * 4 + warp, n_tiles - 1)
+            rt = cutlass.min(mc * mt * wpc + m * wpc + warp, n_tiles - 1)
             tile = Int64(e) * n_tiles + rt
             w_at = w_at + (codes + tile * kc * 512 + lane * 16,)
-            s_at = s_at + (scales + tile * kc * 64 + g * 8,)
+            s_at = s_at + (scales + tile * kc * 64 + lane * 16,)
+        wbase = base + stages * stage_bytes
 
         for s in cutlass.range_constexpr(ahead):
             if s < kc:
                 for q in cutlass.range_constexpr(per):
                     cp_async16(base + s * stage_bytes + q * stride + dst, src[q] + s * 128)
+                copy_weights(s, wbase + s * wstage, w_at, s_at, lane, warp, mt, wpc)
             ptx("cp.async.commit_group;")
-        wa, sa = load_weights(w_at, s_at, 0, mt)
-        wb, sb = load_weights(w_at, s_at, cutlass.min(1, kc - 1), mt)
         acc = (Float32(0.0),) * (mt * bn // 2)
         for c in cutlass.range(0, kc):
-            ptx(f"cp.async.wait_group {ahead - 1};")
-            ptx("fence.proxy.async.shared::cta;")
-            cute.arch.sync_threads()  # chunk c landed; every warp is past chunk c - 1
+            chunk_start(c, kc, base, dst, src, per, stride, stage_bytes, stages)
             nxt = c + ahead
             if nxt < kc:
-                at = base + (nxt % stages) * stage_bytes + dst
-                for q in cutlass.range_constexpr(per):
-                    cp_async16(at + q * stride, src[q] + nxt * 128)
+                copy_weights(nxt, wbase + (nxt % stages) * wstage, w_at, s_at, lane, warp, mt,
+                             wpc)  # fmt: skip
             ptx("cp.async.commit_group;")
-            w, s = wa, sa
-            wa, sa = wb, sb
-            wb, sb = load_weights(w_at, s_at, cutlass.min(c + 2, kc - 1), mt)
-            frags = ()
-            for m in cutlass.range_constexpr(mt):
-                for i in cutlass.range_constexpr(4):
-                    frags = frags + (
-                        decode_tile(w[4 * m + i], tile_scales(s[2 * m + i // 2], i % 2)),
-                    )
-            ptx("wgmma.fence.sync.aligned;")
-            stage_at = base + (c % stages) * stage_bytes
-            new = ()
-            for m in cutlass.range_constexpr(mt):
-                part = acc[m * (bn // 2) : (m + 1) * (bn // 2)]
-                for i in cutlass.range_constexpr(4):
-                    part = wgmma(part, frags[4 * m + i], smem_desc(stage_at + i * 32))
-                new = new + part
-            acc = new
-            ptx("wgmma.commit_group.sync.aligned;")
+            w, s = read_weights(wbase + (c % stages) * wstage, lane, warp, g, mt, wpc)
+            frags = decode_chunk(w, s, mt)
+            acc = chunk_mma(acc, frags, base + (c % stages) * stage_bytes, mt, bn)
             ptx("wgmma.wait_group.sync.aligned 0;")
 
         # epilogue: tile rows g (FC1: gate) and g + 8 (FC1: up), columns 8j + 2 lc + h
@@ -182,7 +229,7 @@ def gemm_kernel(
         else:
             g_row = ld_f32(gscale + Int64(e) * 4) * frag.UNDO
         for m in cutlass.range_constexpr(mt):
-            rt = mc * mt * 4 + m * 4 + warp
+            rt = mc * mt * wpc + m * wpc + warp
             if rt < n_tiles:
                 for j in cutlass.range_constexpr(bn // 8):
                     for h in cutlass.range_constexpr(2):
@@ -208,22 +255,28 @@ def fc1_host(
     x: Int64, order: Int64, blocks: Int64, codes: Int64, scales: Int64, g13: Int64, h: Int64,
     n_blocks: Int32, hidden: Int32, inter: Int32, stream, topk: cutlass.Constexpr,
     bn: cutlass.Constexpr, mt: cutlass.Constexpr, stages: cutlass.Constexpr,
+    ctas: cutlass.Constexpr, wgs: cutlass.Constexpr,
 ):  # fmt: skip
-    slices = (2 * inter + 64 * mt - 1) // (64 * mt)
+    slices = (2 * inter + 64 * mt * wgs - 1) // (64 * mt * wgs)
     gemm_kernel(
         x, order, blocks, codes, scales, g13, h, hidden, 2 * inter, inter, topk, bn, mt,
-        stages, True,
-    ).launch(grid=[slices, n_blocks, 1], block=[WARPGROUP, 1, 1], stream=stream)  # fmt: skip
+        stages, True, wgs,
+    ).launch(grid=[slices, n_blocks, 1], block=[WARPGROUP * wgs, 1, 1], stream=stream,
+             min_blocks_per_mp=ctas,
+             preferred_smem_carveout=100 if ctas > 1 else None)  # fmt: skip
 
 
 @cute.jit
 def fc2_host(
     h: Int64, order: Int64, blocks: Int64, codes: Int64, scales: Int64, g2: Int64, rows: Int64,
     n_blocks: Int32, hidden: Int32, inter: Int32, stream, bn: cutlass.Constexpr,
-    mt: cutlass.Constexpr, stages: cutlass.Constexpr,
+    mt: cutlass.Constexpr, stages: cutlass.Constexpr, ctas: cutlass.Constexpr,
+    wgs: cutlass.Constexpr,
 ):  # fmt: skip
-    slices = (hidden + 64 * mt - 1) // (64 * mt)
+    slices = (hidden + 64 * mt * wgs - 1) // (64 * mt * wgs)
     gemm_kernel(
         h, order, blocks, codes, scales, g2, rows, inter, hidden, hidden, 1, bn, mt, stages,
-        False,
-    ).launch(grid=[slices, n_blocks, 1], block=[WARPGROUP, 1, 1], stream=stream)  # fmt: skip
+        False, wgs,
+    ).launch(grid=[slices, n_blocks, 1], block=[WARPGROUP * wgs, 1, 1], stream=stream,
+             min_blocks_per_mp=ctas,
+             preferred_smem_carveout=100 if ctas > 1 else None)  # fmt: skip

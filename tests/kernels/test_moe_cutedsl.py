@@ -207,7 +207,15 @@ def test_cutedsl_grouped_default_gpu(tokens, inter, experts):
 @pytest.mark.parametrize("combine", [True, False])
 @pytest.mark.parametrize(
     "wc",
-    [cd.Wgmma(), cd.Wgmma(bn=32, mt=1, stages=3), cd.Wgmma(bn=16, stages=2)],
+    [
+        cd.Wgmma(),
+        cd.Wgmma(bn=32, mt=1, stages=3),
+        cd.Wgmma(bn=16, stages=2),
+        cd.Wgmma(ctas=3),
+        cd.Wgmma(bn=32, stages=3, ctas=4),
+        cd.Wgmma(ctas=2, wgs=2),  # two warpgroups sharing the activations
+        cd.Wgmma(bn=32, mt=1, stages=3, wgs=2),
+    ],
 )
 def test_cutedsl_wgmma_matches_reference_gpu(tokens, hidden, inter, experts, top_k, combine,
                                              wc):  # fmt: skip
@@ -224,6 +232,14 @@ def test_wgmma_config_refuses_shapes_the_kernels_do_not_build():
         cd.Wgmma(bn=128, mt=2)
     with pytest.raises(ValueError, match="stages must be 2-6, got 1"):
         cd.Wgmma(stages=1)
+    assert cd.Wgmma(bn=32, wgs=2).wgs == 2
+    with pytest.raises(ValueError, match="wgs .* must be 1 or 2, and 2 needs bn >= 32"):
+        cd.Wgmma(bn=16, wgs=2)
+    with pytest.raises(ValueError, match="wgs .* must be 1 or 2"):
+        cd.Wgmma(wgs=3)
+    assert cd.Wgmma(ctas=4).ctas == 4
+    with pytest.raises(ValueError, match="must be 0-4, got 5"):
+        cd.Wgmma(ctas=5)
 
 
 def test_permute_k_matches_the_fragment_k_order():
@@ -294,10 +310,15 @@ def test_pick_config_follows_the_measured_rules():
     assert cd.pick_config(256, 5120, tp8, 8).grouped
     assert not cd.pick_config(512, 5120, tp8, 8, grouped=False).grouped  # forced
     assert cd.pick_config(4, 5120, tp1, 2).warps2 == 2  # a warp an expert
-    # above 512 pairs the wgmma kernels (MoE run 19), blocks by pairs an expert
+    # above 512 pairs the wgmma kernels (MoE runs 19, 20), configured by pairs an expert
     assert cd.pick_config(512, 5120, tp1, 8).wgmma is None
-    assert [cd.pick_config(p, 5120, tp1, 8, experts=256).wgmma.bn
-            for p in (513, 2048, 2049, 8192, 8193, 32768)] == [16, 16, 32, 32, 64, 64]  # fmt: skip
+    wide = [cd.pick_config(p, 5120, tp1, 8, experts=256).wgmma
+            for p in (513, 2048, 2049, 4096, 4097, 32768)]  # fmt: skip
+    assert [(w.bn, w.wgs, w.ctas) for w in wide] == [
+        (16, 1, 0), (16, 1, 0), (32, 1, 0), (32, 1, 0), (64, 2, 2), (64, 2, 2)
+    ]  # fmt: skip
+    narrow = [cd.pick_config(p, 5120, tp8, 8, experts=256).wgmma for p in (8192, 8193)]
+    assert [(w.bn, w.wgs) for w in narrow] == [(32, 1), (64, 1)]
 
 
 def test_stage_chunks_split_k_as_the_kernels_do_and_cap_shared_memory():
@@ -351,6 +372,6 @@ def test_pair_limit_leaves_a_symbolic_batch_unguarded():
     assert cd.why_not_pairs(tokens * 8, 192, 256) is None
     assert not env.guards
     assert cd.why_not_pairs(32768, 1536, 256) is None  # wide experts: the wgmma kernels
-    assert cd.why_not_pairs(16384, 192, 256) is None  # 64 pairs an expert
-    assert "up to 64 (token, expert) pairs an expert" in cd.why_not_pairs(16392, 192, 256)
+    assert cd.why_not_pairs(16384, 192, 256) is None  # narrow experts too (MoE run 20)
+    assert cd.why_not_pairs(65536, 192, 256) is None
     assert "past the grid's 65535" in cd.why_not_pairs(64 * 65536, 1536, 256)
