@@ -91,6 +91,12 @@ def st_shared_v4(addr, v, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def ld_shared_v4(addr, *, loc=None, ip=None):
+    return _asm([Int32] * 4, [Int32(addr)], "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];",
+                "=r,=r,=r,=r,r", True, loc, ip)  # fmt: skip
+
+
+@dsl_user_op
 def ld_shared_v2(addr, offset=0, *, loc=None, ip=None):
     return _asm(
         [Int32] * 2, [Int32(addr)], f"ld.shared.v2.u32 {{$0, $1}}, [$2+{offset}];", "=r,=r,r",

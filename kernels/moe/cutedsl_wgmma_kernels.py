@@ -20,6 +20,7 @@ applies SwiGLU (a thread holds a gate row and its up row) and writes h in sorted
 permuted, so FC2's B rows are contiguous; FC2 writes each pair's bf16 row for the finalize
 launch.
 """
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
@@ -32,6 +33,7 @@ from beamfx.kernels.moe.cutedsl_kernels import (
     ld_f32,
     ld_s32,
     ld_shared_v2,
+    ld_shared_v4,
     round_bf16,
     st_bf16,
     thread_coords,
@@ -45,12 +47,6 @@ WARPGROUP = 128  # threads of a CTA
 def cp_async16(smem, src, *, loc=None, ip=None):
     _asm([], [Int32(smem), Int64(src)], "cp.async.cg.shared.global [$0], [$1], 16;", "r,l",
          True, loc, ip)  # fmt: skip
-
-
-@dsl_user_op
-def ld_shared_v4(addr, *, loc=None, ip=None):
-    return _asm([Int32] * 4, [Int32(addr)], "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];",
-                "=r,=r,=r,=r,r", True, loc, ip)  # fmt: skip
 
 
 @dsl_user_op
@@ -92,32 +88,20 @@ def wgmma(acc, a, desc, *, loc=None, ip=None):
 
 
 @cute.jit
-def chunk_start(c, kc, base, dst, src, per: cutlass.Constexpr, stride: cutlass.Constexpr,
-                stage_bytes: cutlass.Constexpr, stages: cutlass.Constexpr):  # fmt: skip
-    """Wait for chunk c's copies, then start the activation copies of chunk c + stages - 1
-    into the stage chunk c - 1 used (every warp has waited its wgmmas: the barrier); the
-    caller adds the weights' copies (`copy_weights`) and commits the group."""
-    ahead = stages - 1
-    ptx(f"cp.async.wait_group {ahead - 1};")
-    ptx("fence.proxy.async.shared::cta;")
-    cute.arch.sync_threads()  # chunk c landed; every warp is past chunk c - 1
-    nxt = c + ahead
-    if nxt < kc:
-        at = base + (nxt % stages) * stage_bytes + dst
-        for q in cutlass.range_constexpr(per):
-            cp_async16(at + q * stride, src[q] + nxt * 128)
-
-
-@cute.jit
-def copy_weights(n, at, w_src, s_src, lane, warp, mt: cutlass.Constexpr,
-                 wpc: cutlass.Constexpr):  # fmt: skip
-    """Chunk n's codes (512 bytes a tile: this thread's own 16) and scales (64 bytes a
-    tile, lanes 0-3) of the warp's `mt` tiles into the weights' stage at `at`."""
+def copy_chunk(
+    n, at_x, src, at_w, w_src, s_src, lane, warp, per: cutlass.Constexpr,
+    stride: cutlass.Constexpr, mt: cutlass.Constexpr, wpc: cutlass.Constexpr,
+):  # fmt: skip
+    """Start chunk n's copies into its stage (not committed): this thread's `per` 16-byte
+    units of the block's activation rows (at `at_x`, `stride` apart), its own 16 bytes of
+    the warp's codes (512 a tile) and, lanes 0-3, the warp's scales (64 a tile) (at `at_w`)."""
+    for q in cutlass.range_constexpr(per):
+        cp_async16(at_x + q * stride, src[q] + n * 128)
     for m in cutlass.range_constexpr(mt):
-        cp_async16(at + (m * wpc + warp) * 512 + lane * 16, w_src[m] + Int64(n) * 512)
+        cp_async16(at_w + (m * wpc + warp) * 512 + lane * 16, w_src[m] + Int64(n) * 512)
     if lane < 4:
         for m in cutlass.range_constexpr(mt):
-            at_s = at + mt * wpc * 512 + (m * wpc + warp) * 64 + lane * 16
+            at_s = at_w + mt * wpc * 512 + (m * wpc + warp) * 64 + lane * 16
             cp_async16(at_s, s_src[m] + Int64(n) * 64)
 
 
@@ -203,19 +187,21 @@ def gemm_kernel(
             s_at = s_at + (scales + tile * kc * 64 + lane * 16,)
         wbase = base + stages * stage_bytes
 
-        for s in cutlass.range_constexpr(ahead):
-            if s < kc:
-                for q in cutlass.range_constexpr(per):
-                    cp_async16(base + s * stage_bytes + q * stride + dst, src[q] + s * 128)
-                copy_weights(s, wbase + s * wstage, w_at, s_at, lane, warp, mt, wpc)
+        for n in cutlass.range_constexpr(ahead):
+            if n < kc:
+                copy_chunk(n, base + n * stage_bytes + dst, src, wbase + n * wstage, w_at, s_at,
+                           lane, warp, per, stride, mt, wpc)  # fmt: skip
             ptx("cp.async.commit_group;")
         acc = (Float32(0.0),) * (mt * bn // 2)
         for c in cutlass.range(0, kc):
-            chunk_start(c, kc, base, dst, src, per, stride, stage_bytes, stages)
-            nxt = c + ahead
-            if nxt < kc:
-                copy_weights(nxt, wbase + (nxt % stages) * wstage, w_at, s_at, lane, warp, mt,
-                             wpc)  # fmt: skip
+            ptx(f"cp.async.wait_group {ahead - 1};")
+            ptx("fence.proxy.async.shared::cta;")
+            cute.arch.sync_threads()  # chunk c landed; every warp is past chunk c - 1
+            n = c + ahead
+            if n < kc:  # into the stage chunk c - 1 used
+                st = n % stages
+                copy_chunk(n, base + st * stage_bytes + dst, src, wbase + st * wstage, w_at,
+                           s_at, lane, warp, per, stride, mt, wpc)  # fmt: skip
             ptx("cp.async.commit_group;")
             w, s = read_weights(wbase + (c % stages) * wstage, lane, warp, g, mt, wpc)
             frags = decode_chunk(w, s, mt)
@@ -250,6 +236,14 @@ def gemm_kernel(
                                 st_bf16(at + 16, v1 * g_row)
 
 
+def launch_args(slices, n_blocks, wgs, ctas, stream) -> dict:
+    """Grid [slices, blocks] (slices fastest), `wgs` warpgroups a CTA, registers capped for
+    `ctas` CTAs an SM (with the shared-memory carveout at its largest so they fit)."""
+    carveout = 100 if ctas > 1 else None
+    return dict(grid=[slices, n_blocks, 1], block=[WARPGROUP * wgs, 1, 1], stream=stream,
+                min_blocks_per_mp=ctas, preferred_smem_carveout=carveout)  # fmt: skip
+
+
 @cute.jit
 def fc1_host(
     x: Int64, order: Int64, blocks: Int64, codes: Int64, scales: Int64, g13: Int64, h: Int64,
@@ -261,9 +255,7 @@ def fc1_host(
     gemm_kernel(
         x, order, blocks, codes, scales, g13, h, hidden, 2 * inter, inter, topk, bn, mt,
         stages, True, wgs,
-    ).launch(grid=[slices, n_blocks, 1], block=[WARPGROUP * wgs, 1, 1], stream=stream,
-             min_blocks_per_mp=ctas,
-             preferred_smem_carveout=100 if ctas > 1 else None)  # fmt: skip
+    ).launch(**launch_args(slices, n_blocks, wgs, ctas, stream))  # fmt: skip
 
 
 @cute.jit
@@ -277,6 +269,4 @@ def fc2_host(
     gemm_kernel(
         h, order, blocks, codes, scales, g2, rows, inter, hidden, hidden, 1, bn, mt, stages,
         False, wgs,
-    ).launch(grid=[slices, n_blocks, 1], block=[WARPGROUP * wgs, 1, 1], stream=stream,
-             min_blocks_per_mp=ctas,
-             preferred_smem_carveout=100 if ctas > 1 else None)  # fmt: skip
+    ).launch(**launch_args(slices, n_blocks, wgs, ctas, stream))  # fmt: skip
