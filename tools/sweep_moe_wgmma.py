@@ -4,7 +4,8 @@ CuTeDSL kernels per pair or in blocks; Beam-1.0-shaped, interleaved rounds, CUDA
 replay medians. Each variant is checked against the NVFP4 Triton output first.
 
     python tools/sweep_moe_wgmma.py [--shapes TP1 TP8] [--tokens 512 4096] [--rounds 3]
-        [--configs '[[64, 2, 4]]' (bn, mt, stages[, ctas, wgs]: `cutedsl.Wgmma`)]
+        [--configs '[[64, 2, 4]]' (bn, mt, stages[, ctas, wgs, walk, stage_out]:
+        `cutedsl.Wgmma`)]
         [--out FILE]
 """
 
@@ -29,9 +30,11 @@ CONFIGS = [(64, 2, 4, 2, 2), (64, 2, 4), (32, 2, 4), (16, 2, 4)]
 
 
 def wgmma_name(wc: cd.Wgmma) -> str:
-    """wgmma_{bn}_{mt}_{stages}, then _c{ctas} and _w{wgs} where they are set."""
+    """wgmma_{bn}_{mt}_{stages}, then _c{ctas}, _w{wgs}, _s{walk} and _o (stage_out) where
+    they are set."""
     name = f"wgmma_{wc.bn}_{wc.mt}_{wc.stages}"
-    return name + (f"_c{wc.ctas}" if wc.ctas else "") + (f"_w{wc.wgs}" if wc.wgs > 1 else "")
+    name += (f"_c{wc.ctas}" if wc.ctas else "") + (f"_w{wc.wgs}" if wc.wgs > 1 else "")
+    return name + (f"_s{wc.walk}" if wc.walk > 1 else "") + ("_o" if wc.stage_out else "")
 
 
 def variants(q, configs, pairs: int) -> dict:
@@ -83,7 +86,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 4096])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument(
-        "--configs", default=None, help="JSON list of Wgmma fields [bn, mt, stages, ctas, wgs]"
+        "--configs",
+        default=None,
+        help="JSON list of Wgmma fields [bn, mt, stages, ctas, wgs, walk, stage_out]",
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

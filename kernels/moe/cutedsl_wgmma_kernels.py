@@ -18,7 +18,10 @@ from L2 once a CTA of 64 x `mt` x `wgs` rows. The activations' K is permuted wit
 as the fragment layout permutes the weights' (`permute_k` in `cutedsl.py`). FC1's epilogue
 applies SwiGLU (a thread holds a gate row and its up row) and writes h in sorted order with K
 permuted, so FC2's B rows are contiguous; FC2 writes each pair's bf16 row for the finalize
-launch.
+launch. FC2's CTA may take `walk` slices of the hidden rows in turn, its copies for the next
+slice's K in flight during this slice's last chunks, and with `stage_out` its rows go through
+shared memory first, each warp then writing a pair's 64 x `mt` x `wgs` columns 16 bytes a
+store (2-byte stores straight from the accumulators otherwise) (MoE run 21).
 """
 
 import cutlass
@@ -47,6 +50,19 @@ WARPGROUP = 128  # threads of a CTA
 def cp_async16(smem, src, *, loc=None, ip=None):
     _asm([], [Int32(smem), Int64(src)], "cp.async.cg.shared.global [$0], [$1], 16;", "r,l",
          True, loc, ip)  # fmt: skip
+
+
+@dsl_user_op
+def st_shared_bf16(addr, value, *, loc=None, ip=None):
+    _asm([], [Int32(addr), Float32(value)],
+         "{ .reg .b16 h; cvt.rn.bf16.f32 h, $1; st.shared.b16 [$0], h; }",
+         "r,f", True, loc, ip)  # fmt: skip
+
+
+@dsl_user_op
+def st_v4(addr, v, *, loc=None, ip=None):
+    _asm([], [Int64(addr), *v], "st.global.v4.u32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", True,
+         loc, ip)  # fmt: skip
 
 
 @dsl_user_op
@@ -147,16 +163,22 @@ def gemm_kernel(
     act: Int64, order: Int64, blocks: Int64, codes: Int64, scales: Int64, gscale: Int64,
     out: Int64, k_dim: Int32, rows: Int32, out_stride: Int32, topk: cutlass.Constexpr,
     bn: cutlass.Constexpr, mt: cutlass.Constexpr, stages: cutlass.Constexpr,
-    swiglu: cutlass.Constexpr, wgs: cutlass.Constexpr,
+    swiglu: cutlass.Constexpr, wgs: cutlass.Constexpr, walk: cutlass.Constexpr,
+    stage_out: cutlass.Constexpr,
 ):  # fmt: skip
-    """One block of pairs x `wgs` x `mt` 64-row slices of the weights. `swiglu` (FC1): B rows are
-    the pairs' tokens of `act` (x, K permuted), the output h in sorted order, K permuted;
-    else (FC2): B rows are `act` rows in sorted order (h), the output each pair's row."""
-    mc, blk, _ = cute.arch.block_idx()  # slices fastest: a block's activations stay in L2
+    """One block of pairs x `walk` slices of the weights, `wgs` x `mt` x 64 rows each, taken
+    one after the other (the copies run on from one slice's K into the next's). `swiglu`
+    (FC1): B rows are the pairs' tokens of `act` (x, K permuted), the output h in sorted
+    order, K permuted; else (FC2): B rows are `act` rows in sorted order (h), the output
+    each pair's row (`stage_out`: through shared memory, 16 bytes a store)."""
+    mw, blk, _ = cute.arch.block_idx()  # slices fastest: a block's activations stay in L2
     tid, warp, lane, g, lc = thread_coords()
     wpc = 4 * wgs  # warps a CTA
     wstage = mt * wpc * 576  # bytes of weights a stage: codes 512 and scales 64 a tile
     words = stages * (bn * 32 + wstage // 4)
+    pitch = mt * wpc * 32 + 16  # bytes a pair's rows take in the output stage (+16: banks)
+    if cutlass.const_expr(stage_out):
+        words = words + bn * pitch // 4
     base = cute.arch.alloc_smem(Int32, words, alignment=1024).toint()
     ahead = stages - 1  # chunks the copies run ahead
     e = ld_s32(blocks + Int64(blk) * 12)
@@ -178,62 +200,130 @@ def gemm_kernel(
             if cutlass.const_expr(swiglu):
                 row = Int64(ld_s32(order + Int64(r) * 4) // topk)
             src = src + (act + row * k_dim * 2 + u * 16,)
-        w_at = ()
-        s_at = ()
-        for m in cutlass.range_constexpr(mt):
-            rt = cutlass.min(mc * mt * wpc + m * wpc + warp, n_tiles - 1)
-            tile = Int64(e) * n_tiles + rt
-            w_at = w_at + (codes + tile * kc * 512 + lane * 16,)
-            s_at = s_at + (scales + tile * kc * 64 + lane * 16,)
+        w_at, s_at = weight_srcs(codes, scales, e, mw * walk, n_tiles, kc, lane, warp, mt, wpc)
         wbase = base + stages * stage_bytes
-
+        chunks = walk * kc  # this CTA's K loop, slice after slice
+        srcs = (src, w_at, s_at, codes, scales, e, mw * walk, n_tiles, kc)
         for n in cutlass.range_constexpr(ahead):
-            if n < kc:
-                copy_chunk(n, base + n * stage_bytes + dst, src, wbase + n * wstage, w_at, s_at,
-                           lane, warp, per, stride, mt, wpc)  # fmt: skip
+            if n < chunks:
+                copy_walk(n, base + n * stage_bytes + dst, wbase + n * wstage, srcs, lane, warp,
+                          per, stride, mt, wpc, walk)  # fmt: skip
             ptx("cp.async.commit_group;")
-        acc = (Float32(0.0),) * (mt * bn // 2)
-        for c in cutlass.range(0, kc):
-            ptx(f"cp.async.wait_group {ahead - 1};")
-            ptx("fence.proxy.async.shared::cta;")
-            cute.arch.sync_threads()  # chunk c landed; every warp is past chunk c - 1
-            n = c + ahead
-            if n < kc:  # into the stage chunk c - 1 used
-                st = n % stages
-                copy_chunk(n, base + st * stage_bytes + dst, src, wbase + st * wstage, w_at,
-                           s_at, lane, warp, per, stride, mt, wpc)  # fmt: skip
-            ptx("cp.async.commit_group;")
-            w, s = read_weights(wbase + (c % stages) * wstage, lane, warp, g, mt, wpc)
-            frags = decode_chunk(w, s, mt)
-            acc = chunk_mma(acc, frags, base + (c % stages) * stage_bytes, mt, bn)
-            ptx("wgmma.wait_group.sync.aligned 0;")
+        for sw in cutlass.range_constexpr(walk):
+            acc = (Float32(0.0),) * (mt * bn // 2)
+            for c in cutlass.range(sw * kc, sw * kc + kc):
+                ptx(f"cp.async.wait_group {ahead - 1};")
+                ptx("fence.proxy.async.shared::cta;")
+                cute.arch.sync_threads()  # chunk c landed; every warp is past chunk c - 1
+                n = c + ahead
+                if n < chunks:  # into the stage chunk c - 1 used
+                    st = n % stages
+                    copy_walk(n, base + st * stage_bytes + dst, wbase + st * wstage, srcs, lane,
+                              warp, per, stride, mt, wpc, walk)  # fmt: skip
+                ptx("cp.async.commit_group;")
+                w, s = read_weights(wbase + (c % stages) * wstage, lane, warp, g, mt, wpc)
+                frags = decode_chunk(w, s, mt)
+                acc = chunk_mma(acc, frags, base + (c % stages) * stage_bytes, mt, bn)
+                ptx("wgmma.wait_group.sync.aligned 0;")
+            mc = (mw * walk + sw) * mt
+            if cutlass.const_expr(stage_out):
+                out_at = wbase + stages * wstage
+                staged_rows(acc, out, order, gscale, e, start, cols, out_stride, mc, n_tiles,
+                            out_at, tid, warp, g, lc, bn, mt, wpc, pitch)  # fmt: skip
+            else:
+                epilogue(acc, out, order, gscale, e, start, cols, out_stride, mc, n_tiles, warp,
+                         g, lc, swiglu, bn, mt, wpc)  # fmt: skip
 
-        # epilogue: tile rows g (FC1: gate) and g + 8 (FC1: up), columns 8j + 2 lc + h
-        if cutlass.const_expr(swiglu):
-            g_gate = ld_f32(gscale + Int64(e) * 8) * frag.UNDO
-            g_up = ld_f32(gscale + Int64(e) * 8 + 4) * frag.UNDO
-        else:
-            g_row = ld_f32(gscale + Int64(e) * 4) * frag.UNDO
-        for m in cutlass.range_constexpr(mt):
-            rt = mc * mt * wpc + m * wpc + warp
-            if rt < n_tiles:
-                for j in cutlass.range_constexpr(bn // 8):
-                    for h in cutlass.range_constexpr(2):
-                        col = 8 * j + 2 * lc + h
-                        v0 = acc[m * (bn // 2) + 4 * j + h]
-                        v1 = acc[m * (bn // 2) + 4 * j + 2 + h]
-                        if col < cols:
-                            if cutlass.const_expr(swiglu):
-                                gate = round_bf16(v0 * g_gate)
-                                up = round_bf16(v1 * g_up)
-                                a = gate / (1.0 + cute.math.exp(-gate)) * up
-                                i = frag.permuted_k(rt * 8 + g)
-                                st_bf16(out + (Int64(start + col) * out_stride + i) * 2, a)
-                            else:
-                                pair = ld_s32(order + Int64(start + col) * 4)
-                                at = out + (Int64(pair) * out_stride + rt * 16 + g) * 2
-                                st_bf16(at, v0 * g_row)
-                                st_bf16(at + 16, v1 * g_row)
+
+@cute.jit
+def copy_walk(n, at_x, at_w, srcs, lane, warp, per: cutlass.Constexpr, stride: cutlass.Constexpr,
+              mt: cutlass.Constexpr, wpc: cutlass.Constexpr, walk: cutlass.Constexpr):  # fmt: skip
+    """`copy_chunk` of chunk n of the CTA's walk: chunk n % kc of its slice n // kc (`srcs`:
+    the activations' and first slice's weights' sources, and what the others' take)."""
+    src, w_at, s_at, codes, scales, e, first, n_tiles, kc = srcs
+    if cutlass.const_expr(walk > 1):
+        sl = n // kc
+        w_n, s_n = weight_srcs(codes, scales, e, first + sl, n_tiles, kc, lane, warp, mt, wpc)
+        copy_chunk(n - sl * kc, at_x, src, at_w, w_n, s_n, lane, warp, per, stride, mt, wpc)
+    else:
+        copy_chunk(n, at_x, src, at_w, w_at, s_at, lane, warp, per, stride, mt, wpc)
+
+
+@cute.jit
+def weight_srcs(codes, scales, e, sl, n_tiles, kc, lane, warp, mt: cutlass.Constexpr,
+                wpc: cutlass.Constexpr):  # fmt: skip
+    """This thread's sources of slice `sl`'s codes and scales, a tile at a time (rows past
+    the weights read the last tile; the epilogue drops them)."""
+    w_at = ()
+    s_at = ()
+    for m in cutlass.range_constexpr(mt):
+        rt = cutlass.min(sl * mt * wpc + m * wpc + warp, n_tiles - 1)
+        tile = Int64(e) * n_tiles + rt
+        w_at = w_at + (codes + tile * kc * 512 + lane * 16,)
+        s_at = s_at + (scales + tile * kc * 64 + lane * 16,)
+    return w_at, s_at
+
+
+@cute.jit
+def epilogue(acc, out, order, gscale, e, start, cols, out_stride, mc, n_tiles, warp, g, lc,
+             swiglu: cutlass.Constexpr, bn: cutlass.Constexpr, mt: cutlass.Constexpr,
+             wpc: cutlass.Constexpr):  # fmt: skip
+    """Tile rows g (FC1: gate) and g + 8 (FC1: up), columns 8j + 2 lc + h, of the slice whose
+    first tile is `mc` x `wpc`: FC1 SwiGLU into h, FC2 each pair's row."""
+    if cutlass.const_expr(swiglu):
+        g_gate = ld_f32(gscale + Int64(e) * 8) * frag.UNDO
+        g_up = ld_f32(gscale + Int64(e) * 8 + 4) * frag.UNDO
+    else:
+        g_row = ld_f32(gscale + Int64(e) * 4) * frag.UNDO
+    for m in cutlass.range_constexpr(mt):
+        rt = mc * wpc + m * wpc + warp
+        if rt < n_tiles:
+            for j in cutlass.range_constexpr(bn // 8):
+                for h in cutlass.range_constexpr(2):
+                    col = 8 * j + 2 * lc + h
+                    v0 = acc[m * (bn // 2) + 4 * j + h]
+                    v1 = acc[m * (bn // 2) + 4 * j + 2 + h]
+                    if col < cols:
+                        if cutlass.const_expr(swiglu):
+                            gate = round_bf16(v0 * g_gate)
+                            up = round_bf16(v1 * g_up)
+                            a = gate / (1.0 + cute.math.exp(-gate)) * up
+                            i = frag.permuted_k(rt * 8 + g)
+                            st_bf16(out + (Int64(start + col) * out_stride + i) * 2, a)
+                        else:
+                            pair = ld_s32(order + Int64(start + col) * 4)
+                            at = out + (Int64(pair) * out_stride + rt * 16 + g) * 2
+                            st_bf16(at, v0 * g_row)
+                            st_bf16(at + 16, v1 * g_row)
+
+
+@cute.jit
+def staged_rows(acc, out, order, gscale, e, start, cols, out_stride, mc, n_tiles, at, tid,
+                warp, g, lc, bn: cutlass.Constexpr, mt: cutlass.Constexpr,
+                wpc: cutlass.Constexpr, pitch: cutlass.Constexpr):  # fmt: skip
+    """FC2's `epilogue` through shared memory at `at` (its own, apart from the stages the next
+    slice's copies fill): each pair's bf16 rows of the slice gathered in a column `pitch`
+    bytes apart, then written 16 bytes a thread, a warp a pair."""
+    g_row = ld_f32(gscale + Int64(e) * 4) * frag.UNDO
+    cute.arch.sync_threads()  # every thread is past the last slice's reads of the stage
+    for m in cutlass.range_constexpr(mt):
+        r0 = (m * wpc + warp) * 16 + g
+        for j in cutlass.range_constexpr(bn // 8):
+            for h in cutlass.range_constexpr(2):
+                col_at = at + (8 * j + 2 * lc + h) * pitch
+                st_shared_bf16(col_at + r0 * 2, acc[m * (bn // 2) + 4 * j + h] * g_row)
+                st_shared_bf16(col_at + r0 * 2 + 16, acc[m * (bn // 2) + 4 * j + 2 + h] * g_row)
+    cute.arch.sync_threads()
+    segs = mt * wpc * 2  # 16-byte units in a pair's rows of the slice
+    rows_left = n_tiles * 16 - mc * wpc * 16
+    for q in cutlass.range_constexpr(bn * segs // (32 * wpc)):
+        u = tid + q * 32 * wpc
+        col = u // segs
+        seg = u % segs
+        if col < cols and seg * 8 < rows_left:
+            pair = ld_s32(order + Int64(start + col) * 4)
+            v = ld_shared_v4(at + col * pitch + seg * 16)
+            st_v4(out + (Int64(pair) * out_stride + mc * wpc * 16 + seg * 8) * 2, v)
 
 
 def launch_args(slices, n_blocks, wgs, ctas, stream) -> dict:
@@ -251,10 +341,11 @@ def fc1_host(
     bn: cutlass.Constexpr, mt: cutlass.Constexpr, stages: cutlass.Constexpr,
     ctas: cutlass.Constexpr, wgs: cutlass.Constexpr,
 ):  # fmt: skip
+    """FC1 + SwiGLU (its K, hidden, is long enough that a CTA takes one slice)."""
     slices = (2 * inter + 64 * mt * wgs - 1) // (64 * mt * wgs)
     gemm_kernel(
         x, order, blocks, codes, scales, g13, h, hidden, 2 * inter, inter, topk, bn, mt,
-        stages, True, wgs,
+        stages, True, wgs, 1, False,
     ).launch(**launch_args(slices, n_blocks, wgs, ctas, stream))  # fmt: skip
 
 
@@ -263,10 +354,11 @@ def fc2_host(
     h: Int64, order: Int64, blocks: Int64, codes: Int64, scales: Int64, g2: Int64, rows: Int64,
     n_blocks: Int32, hidden: Int32, inter: Int32, stream, bn: cutlass.Constexpr,
     mt: cutlass.Constexpr, stages: cutlass.Constexpr, ctas: cutlass.Constexpr,
-    wgs: cutlass.Constexpr,
+    wgs: cutlass.Constexpr, walk: cutlass.Constexpr, stage_out: cutlass.Constexpr,
 ):  # fmt: skip
+    """FC2, each CTA `walk` slices of the hidden rows in turn."""
     slices = (hidden + 64 * mt * wgs - 1) // (64 * mt * wgs)
     gemm_kernel(
         h, order, blocks, codes, scales, g2, rows, inter, hidden, hidden, 1, bn, mt, stages,
-        False, wgs,
-    ).launch(**launch_args(slices, n_blocks, wgs, ctas, stream))  # fmt: skip
+        False, wgs, walk, stage_out,
+    ).launch(**launch_args((slices + walk - 1) // walk, n_blocks, wgs, ctas, stream))  # fmt: skip

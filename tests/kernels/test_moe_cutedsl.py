@@ -215,6 +215,9 @@ def test_cutedsl_grouped_default_gpu(tokens, inter, experts):
         cd.Wgmma(bn=32, stages=3, ctas=4),
         cd.Wgmma(ctas=2, wgs=2),  # two warpgroups sharing the activations
         cd.Wgmma(bn=32, mt=1, stages=3, wgs=2),
+        cd.Wgmma(ctas=2, wgs=2, walk=2),  # FC2: two slices a CTA, copies running on
+        cd.Wgmma(ctas=2, wgs=2, stage_out=True),  # FC2's rows through shared memory
+        cd.Wgmma(bn=16, mt=1, walk=3, stage_out=True),  # K of 1-3 chunks: copies cross slices
     ],
 )
 def test_cutedsl_wgmma_matches_reference_gpu(tokens, hidden, inter, experts, top_k, combine,
@@ -240,6 +243,9 @@ def test_wgmma_config_refuses_shapes_the_kernels_do_not_build():
     assert cd.Wgmma(ctas=4).ctas == 4
     with pytest.raises(ValueError, match="must be 0-4, got 5"):
         cd.Wgmma(ctas=5)
+    assert cd.Wgmma(walk=8).walk == 8
+    with pytest.raises(ValueError, match="walk .* must be 1-8, got 0"):
+        cd.Wgmma(walk=0)
 
 
 def test_permute_k_matches_the_fragment_k_order():
@@ -252,8 +258,9 @@ def test_permute_k_matches_the_fragment_k_order():
             for v in (0, 1, 4, 5):
                 mma_k = 2 * c + v if v < 2 else 8 + 2 * c + v - 4
                 want[base + mma_k] = base + 4 * c + frag._K[v]
-    k = torch.arange(64, dtype=torch.float32).view(1, 64).to(torch.bfloat16)
-    assert cd.permute_k(k).view(64).long().tolist() == want
+    k = torch.arange(192, dtype=torch.float32).view(3, 64).to(torch.bfloat16)  # exact to 256
+    for row, got in enumerate(cd.permute_k(k).long().tolist()):
+        assert got == [64 * row + i for i in want]
     assert [frag.permuted_k(i) for i in range(64)] == [want.index(i) for i in range(64)]
 
 
@@ -317,8 +324,10 @@ def test_pick_config_follows_the_measured_rules():
     assert [(w.bn, w.wgs, w.ctas) for w in wide] == [
         (16, 1, 0), (16, 1, 0), (32, 1, 0), (32, 1, 0), (64, 2, 2), (64, 2, 2)
     ]  # fmt: skip
+    assert (wide[-1].stage_out, wide[-1].walk) == (True, 1)  # run 21: walking lost on wide
     narrow = [cd.pick_config(p, 5120, tp8, 8, experts=256).wgmma for p in (8192, 8193)]
     assert [(w.bn, w.wgs) for w in narrow] == [(32, 1), (64, 1)]
+    assert (narrow[1].stage_out, narrow[1].walk) == (True, 2)
 
 
 def test_stage_chunks_split_k_as_the_kernels_do_and_cap_shared_memory():
