@@ -25,6 +25,20 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture(autouse=True)
+def _release_prepared_experts():
+    """Each test's expert weights are new tensors, so the MoE providers' caches of
+    converted weights (one entry a layer in a model) would grow by one a test and keep
+    every test's weights alive on the GPU; a test leaves them empty."""
+    yield
+    import sys
+
+    for name in ("beamfx.kernels.moe.cutedsl", "beamfx.kernels.moe.flashinfer"):
+        module = sys.modules.get(name)
+        if module is not None:
+            module.PREPARED.clear()
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> str:
     """The `tiny` preset's random-weight checkpoint, written once per session."""
