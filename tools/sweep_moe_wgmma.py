@@ -37,7 +37,7 @@ def wgmma_name(wc: cd.Wgmma) -> str:
     return name + (f"_s{wc.walk}" if wc.walk > 1 else "") + ("_o" if wc.stage_out else "")
 
 
-def variants(q, configs, pairs: int) -> dict:
+def variants(q, configs, pairs: int, inter: int) -> dict:
     """name -> fn(x, ids, weights) for one experts stack."""
     scales = (q.w13_scale, q.w13_global, q.w2_scale, q.w2_global)
     fns = {"triton_nvfp4": lambda x, i, w: tk.moe(x, i, q.w13, q.w2, scales, w, 2.5)}
@@ -46,8 +46,9 @@ def variants(q, configs, pairs: int) -> dict:
         fns[wgmma_name(cfg.wgmma)] = lambda x, i, w, c=cfg: cd.experts(
             x, i, *q.tensors(), w, 2.5, config=c
         )
-    if pairs <= cd.MAX_PAIRS:  # the CuTeDSL default below the wgmma path
-        fns["cutedsl_small"] = lambda x, i, w: cd.experts(x, i, *q.tensors(), w, 2.5)
+    if pairs <= 4 * cd.MAX_PAIRS:  # the mma.sync kernels, the default up to MAX_PAIRS
+        small = cd.mma_sync_config(pairs, inter, bm.TOP_K)
+        fns["cutedsl_small"] = lambda x, i, w: cd.experts(x, i, *q.tensors(), w, 2.5, config=small)
     return fns
 
 
@@ -57,7 +58,7 @@ def sweep_shape(shape: str, tokens_list, configs, rounds: int, mm: float, gen) -
     rows = []
     for tokens in tokens_list:
         sets = bm.routing_sets(tokens, bm.n_input_sets(tokens), gen)
-        fns = variants(q, configs, tokens * bm.TOP_K)
+        fns = variants(q, configs, tokens * bm.TOP_K, inter)
         want = fns["triton_nvfp4"](*sets[0])
         errs, ok = {}, {}
         for name, fn in fns.items():

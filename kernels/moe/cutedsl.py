@@ -49,8 +49,9 @@ from beamfx.kernels.moe.weight_cache import WeightCache
 from beamfx.ops import Provider
 
 # Above MAX_PAIRS (tokens x top-k) the wgmma kernels serve, configured by `wgmma_config`
-# (bench/NOTES.md, MoE runs 19 and 20).
-MAX_PAIRS = 512
+# (bench/NOTES.md, MoE runs 19, 20 and 22: at 512 pairs, 64 tokens, 11% faster on one TP8
+# rank's experts and 4% at TP1 on an H200; level at 256).
+MAX_PAIRS = 256
 MAX_GRID_Y = 65535  # the wgmma launches' blocks of pairs run along the grid's y
 # From this many pairs, pairs sharing an expert share its weight reads: one launch sorts
 # them into blocks of GROUP columns (`triton.sort_blocks`), FC2 writes rows, a finalize
@@ -167,13 +168,14 @@ MANY_NARROW = Wgmma(walk=2, stage_out=True)
 
 
 def wgmma_config(pairs: int, experts: int, inter: int) -> Wgmma:
-    """By pairs an expert (MoE runs 20, 21): blocks of 16 to 8 pairs, of 32 to 16 on wide
-    experts (`inter` from GROUP_MIN_INTER) and to 32 on narrow ones; beyond, blocks of 64
-    (`MANY_WIDE`, `MANY_NARROW`)."""
+    """By pairs an expert (MoE runs 20-22): blocks of 16 to 8 pairs (FC2's rows through
+    shared memory on narrow experts), of 32 to 16 on wide experts (`inter` from
+    GROUP_MIN_INTER) and to 32 on narrow ones; beyond, blocks of 64 (`MANY_WIDE`,
+    `MANY_NARROW`)."""
     per_expert = pairs / max(experts, 1)
     wide = inter >= GROUP_MIN_INTER
     if per_expert <= 8:
-        return Wgmma(bn=16)
+        return Wgmma(bn=16, stage_out=not wide)
     if per_expert <= (16 if wide else 32):
         return Wgmma(bn=32)
     return MANY_WIDE if wide else MANY_NARROW
@@ -194,6 +196,12 @@ def pick_config(
     2-3% faster at TP1 a token; slower on one TP8 rank's experts and in blocks)."""
     if pairs > MAX_PAIRS:
         return Config(wgmma=wgmma_config(pairs, experts or 256, inter))
+    return mma_sync_config(pairs, inter, top_k, grouped)
+
+
+def mma_sync_config(pairs: int, inter: int, top_k: int, grouped: bool | None = None) -> Config:
+    """The per-pair or block (`mma.sync`) kernels' config at any count of pairs
+    (`pick_config` below MAX_PAIRS; the sweeps time it above)."""
     pdl = PDL and inter <= 64 * Config.depth2
     if grouped is None:  # else forced (benchmark sweeps)
         grouped = pairs >= (GROUP_MIN_PAIRS if inter >= GROUP_MIN_INTER else GROUP_MIN_PAIRS_NARROW)

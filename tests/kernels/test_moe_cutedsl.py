@@ -185,13 +185,23 @@ def test_cutedsl_staged_activations_change_no_bit_gpu(tokens, hidden, inter, exp
 
 
 @gpu
-@pytest.mark.parametrize("tokens, inter, experts", [(64, 192, 256), (40, 1024, 4)])
+@pytest.mark.parametrize("tokens, inter, experts", [(32, 192, 256), (40, 1024, 4)])
 def test_cutedsl_grouped_default_gpu(tokens, inter, experts):
     """The defaults that group pairs; 40 tokens on 4 experts: blocks of 8 pairs and
     partial ones."""
     k = min(8, experts)
     assert cd.pick_config(tokens * k, 5120, inter, k).grouped
     _check(tokens, 5120, inter, experts, k, True, tokens)
+
+
+@gpu
+@pytest.mark.parametrize("tokens, inter, experts", [(64, 192, 256), (64, 1536, 64)])
+def test_cutedsl_wgmma_default_gpu(tokens, inter, experts):
+    """From 257 pairs the defaults are the wgmma kernels: at 64 tokens (512 pairs) blocks
+    of 16 pairs, FC2's rows through shared memory on narrow experts (MoE run 22)."""
+    wc = cd.pick_config(tokens * 8, 5120, inter, 8, experts=experts).wgmma
+    assert (wc.bn, wc.stage_out) == (16, inter < cd.GROUP_MIN_INTER)
+    _check(tokens, 5120, inter, experts, 8, True, tokens)
 
 
 @gpu
@@ -317,17 +327,20 @@ def test_pick_config_follows_the_measured_rules():
     assert cd.pick_config(256, 5120, tp8, 8).grouped
     assert not cd.pick_config(512, 5120, tp8, 8, grouped=False).grouped  # forced
     assert cd.pick_config(4, 5120, tp1, 2).warps2 == 2  # a warp an expert
-    # above 512 pairs the wgmma kernels (MoE runs 19, 20), configured by pairs an expert
-    assert cd.pick_config(512, 5120, tp1, 8).wgmma is None
+    # above 256 pairs the wgmma kernels (MoE runs 19, 20, 22), configured by pairs an expert
+    assert cd.pick_config(256, 5120, tp1, 8).wgmma is None
+    assert cd.pick_config(256, 5120, tp8, 8).wgmma is None
     wide = [cd.pick_config(p, 5120, tp1, 8, experts=256).wgmma
-            for p in (513, 2048, 2049, 4096, 4097, 32768)]  # fmt: skip
-    assert [(w.bn, w.wgs, w.ctas) for w in wide] == [
-        (16, 1, 0), (16, 1, 0), (32, 1, 0), (32, 1, 0), (64, 2, 2), (64, 2, 2)
+            for p in (257, 512, 2048, 2049, 4096, 4097, 32768)]  # fmt: skip
+    assert [(w.bn, w.wgs, w.ctas, w.stage_out) for w in wide] == [
+        (16, 1, 0, False), (16, 1, 0, False), (16, 1, 0, False), (32, 1, 0, False),
+        (32, 1, 0, False), (64, 2, 2, True), (64, 2, 2, True),
     ]  # fmt: skip
-    assert (wide[-1].stage_out, wide[-1].walk) == (True, 1)  # run 21: walking lost on wide
-    narrow = [cd.pick_config(p, 5120, tp8, 8, experts=256).wgmma for p in (8192, 8193)]
-    assert [(w.bn, w.wgs) for w in narrow] == [(32, 1), (64, 1)]
-    assert (narrow[1].stage_out, narrow[1].walk) == (True, 2)
+    assert wide[-1].walk == 1  # run 21: walking lost on wide
+    narrow = [cd.pick_config(p, 5120, tp8, 8, experts=256).wgmma for p in (512, 8192, 8193)]
+    assert [(w.bn, w.wgs, w.stage_out) for w in narrow] == [(16, 1, True), (32, 1, False),
+                                                            (64, 1, True)]  # fmt: skip
+    assert narrow[-1].walk == 2
 
 
 def test_stage_chunks_split_k_as_the_kernels_do_and_cap_shared_memory():
