@@ -292,8 +292,8 @@ def main() -> None:
 ROWS_RUN = """\
 - **eager**: the plain model as written; Beam IR ops run their torch references; experts on
   `torch._grouped_mm` (bf16; rows sorted by expert, gathered, scattered back) or beamfx's
-  NVFP4 experts op (NVFP4 has no library path: CuTeDSL up to 512 (token, expert) pairs on
-  Hopper, else Triton), finalize in torch.
+  NVFP4 experts op (NVFP4 has no library path: CuTeDSL on Hopper, else Triton), finalize in
+  torch.
 - **torch.compile**: the plain model under Inductor's defaults, no beamfx fusion pass
   (Beam IR lowered back to torch code, so Inductor fuses norms, residual adds and routing
   itself); experts as in eager (an opaque op), router GEMM on cuBLAS fp32.
@@ -302,10 +302,11 @@ ROWS_RUN = """\
   program at 1-7 tokens, each row loaded once and the product broadcast, split-K to 255;
   from 256 tokens one cuBLAS bf16 GEMM on the fp32 weight's three exact bf16 pieces, K in
   chunks), MegaMoE
-  (NVFP4 W4A16 up to 512 (token, expert) pairs on Hopper: CuTeDSL tensor-core kernels on
-  weights repacked into MMA fragments, per pair with the finalize in FC2, or from 64 pairs
-  on wide experts (256 on narrow ones) in blocks of 8 pairs of one expert, sorted into
-  blocks by one launch, with a finalize kernel; else Triton,
+  (NVFP4 W4A16 on Hopper: CuTeDSL tensor-core kernels on weights repacked into MMA
+  fragments; up to 256 (token, expert) pairs `mma.sync`, per pair with the finalize in FC2,
+  or from 64 pairs on wide experts (256 on narrow ones) in blocks of 8 pairs of one expert,
+  sorted into blocks by one launch, with a finalize kernel; above, wgmma kernels in blocks
+  of 16-64 pairs; else Triton,
   bf16 or NVFP4, FC2 writing k rows and a finalize kernel at sorted-block sizes, the pairs
   sorted by three launches over chunks of 1024 beyond 1024 pairs; bf16 in
   128-row blocks with wide tiles once the experts average 128 rows), two fused boundaries
