@@ -37,11 +37,11 @@ from beamfx.kernels.moe import cutedsl as moe_cutedsl
 from beamfx.ops import Provider
 
 MAX_TOKENS = 64  # 8 MMA column tiles of 8 tokens
-# Where the Triton kernels are faster on an H200 (bench/NOTES.md, router runs 11 and 13):
-# logits to 8 tokens (the whole-row kernel, 4.27 against 4.80 us at 8), logits + routing
-# below 8 and above 32 tokens.
-LOGITS_MIN_TOKENS = 9
-ROUTED_MIN_TOKENS = 8
+# Where the Triton kernels are faster on an H200 (bench/NOTES.md, router runs 11, 13, 14):
+# logits below 8 tokens (the whole-row kernel, 3.55 against 3.86 us at 4; at 8 this
+# kernel, 3.89 against 4.53), logits + routing below 4 and above 32 tokens.
+LOGITS_MIN_TOKENS = 8
+ROUTED_MIN_TOKENS = 4
 ROUTED_MAX_TOKENS = 32
 MAX_STEPS = 8  # 32-wide K steps a warp holds in flight (registers)
 PDL = moe_cutedsl.PDL
