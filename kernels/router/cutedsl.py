@@ -5,7 +5,8 @@ One launch, a cluster of CTAs a 16-expert tile: each CTA takes 1/`cluster` of K,
 its warps a slice of that, 32 of K a step (Beam-1.0, 5120 x 256: 16 clusters of 8 CTAs,
 4 warps each, five steps a warp; 128 CTAs).
 - Every weight load of a warp is issued before it waits for the previous launch
-  (programmatic dependent launch), so the 5.2 MB weight streams while that launch ends.
+  (programmatic dependent launch), so the 5.2 MB weight streams while that launch ends;
+  once it has waited it releases the next launch in turn (`launch_dependents`).
 - The fp32 weight splits in registers into three bf16 pieces (w = hi + mid + lo exactly;
   4 integer and 2 float ops a weight), each an `mma.sync.m16n8k16` against the bf16
   activations (exact products, fp32 sums): the weight as the MMA's A (16 experts), up to
