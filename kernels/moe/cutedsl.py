@@ -49,8 +49,8 @@ from beamfx.kernels.moe.weight_cache import WeightCache
 from beamfx.ops import Provider
 
 # Above MAX_PAIRS (tokens x top-k) the wgmma kernels serve, configured by `wgmma_config`
-# (bench/NOTES.md, MoE runs 19, 20 and 22: at 512 pairs, 64 tokens, 11% faster on one TP8
-# rank's experts and 4% at TP1 on an H200; level at 256).
+# (bench/NOTES.md, MoE runs 19, 20 and 22: at 512 pairs, 64 tokens, 4-11% faster on an
+# H200 and 14-16% on an H100; level at 256).
 MAX_PAIRS = 256
 MAX_GRID_Y = 65535  # the wgmma launches' blocks of pairs run along the grid's y
 # From this many pairs, pairs sharing an expert share its weight reads: one launch sorts
