@@ -77,16 +77,16 @@ def build(cfg: BeamConfig, kind: str, world: int, device: str) -> LayerStep:
     experts = step.layer.mlp.experts
     if hasattr(experts, "w13_scale"):  # NVFP4: quantize random dense weights
         q = random_nvfp4_experts(cfg.num_experts, cfg.hidden_size, experts.w2.shape[2] * 2, g)
-        for n in ("w13", "w13_scale", "w13_global", "w2", "w2_scale", "w2_global"):
-            getattr(experts, n).data = getattr(q, n)
+        for f in dataclasses.fields(q):
+            getattr(experts, f.name).data = getattr(q, f.name)
     return step.eval()
 
 
 def random_nvfp4_experts(e: int, h: int, inter: int, g: torch.Generator, chunk: int = 16):
     """NVFP4 of random dense experts, quantized `chunk` experts at a time (each matrix has
     its own global scale, so the result is the one-shot quantization of the same weights):
-    one TP1 layer's dense fp32 stack alone is 32 GB, more than an 80 GB card has spare
-    beside quantize's temporaries."""
+    at once, one TP1 layer's dense stack in fp32 (32 GB), its bf16 copy and quantize's
+    temporaries ran an 80 GB card out of memory."""
     from beamfx.kernels.moe.nvfp4 import NVFP4Experts, quantize_experts
 
     parts = []
@@ -95,8 +95,8 @@ def random_nvfp4_experts(e: int, h: int, inter: int, g: torch.Generator, chunk: 
         w13 = torch.randn(n, 2 * inter, h, generator=g, device=g.device) * h**-0.5
         w2 = torch.randn(n, h, inter, generator=g, device=g.device) * inter**-0.5
         parts.append(quantize_experts(w13.to(torch.bfloat16), w2.to(torch.bfloat16)))
-    names = [f.name for f in dataclasses.fields(NVFP4Experts)]
-    return NVFP4Experts(*(torch.cat([getattr(q, n) for q in parts]) for n in names))
+    fields = dataclasses.fields(NVFP4Experts)
+    return NVFP4Experts(*(torch.cat([getattr(q, f.name) for q in parts]) for f in fields))
 
 
 def inputs(cfg: BeamConfig, tokens: int, prefill: bool, device: str):
