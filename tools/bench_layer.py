@@ -310,7 +310,7 @@ ROWS_RUN = """\
   (Beam IR lowered back to torch code, so Inductor fuses norms, residual adds and routing
   itself); experts as in eager (an opaque op), router GEMM on cuBLAS fp32.
 - **beamfx**: `beamfx.compile(passes="all")`: attention gate (Triton), router GEMM with
-  routing (one CuTeDSL launch at 8-32 tokens where installed; else Triton: whole rows per
+  routing (one CuTeDSL launch at 4-32 tokens where installed; else Triton: whole rows per
   program at 1-7 tokens, each row loaded once and the product broadcast, split-K to 255;
   from 256 tokens one cuBLAS bf16 GEMM on the fp32 weight's three exact bf16 pieces, K in
   chunks), MegaMoE
@@ -338,8 +338,13 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"# Decoder layer ({meta['config']}): eager, torch.compile, beamfx",
         "",
         f"{meta['date']}, {meta['device']}, torch {meta['torch']}, Triton {meta['triton']}; "
-        f"copy bandwidth {meta['copy_GBps']} GB/s. Every row measured in this one run, as a "
-        "CUDA-graph replay median. Cells: us per layer (kernel launches per layer, "
+        f"copy bandwidth {meta['copy_GBps']} GB/s. "
+        + (
+            "Every row measured in this one run"
+            if not meta.get("note")
+            else "Rows from the runs the note below names"
+        )
+        + ", as a CUDA-graph replay median. Cells: us per layer (kernel launches per layer, "
         "torch.profiler); floor = every weight the layer needs (the routed experts only) "
         "read once at the copy bandwidth.",
         "",
