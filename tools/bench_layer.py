@@ -338,13 +338,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"# Decoder layer ({meta['config']}): eager, torch.compile, beamfx",
         "",
         f"{meta['date']}, {meta['device']}, torch {meta['torch']}, Triton {meta['triton']}; "
-        f"copy bandwidth {meta['copy_GBps']} GB/s. "
-        + (
-            "Every row measured in this one run"
-            if not meta.get("note")
-            else "Rows from the runs the note below names"
-        )
-        + ", as a CUDA-graph replay median. Cells: us per layer (kernel launches per layer, "
+        f"copy bandwidth {meta['copy_GBps']} GB/s. Each row a CUDA-graph replay median, its "
+        "baselines measured in the same run. Cells: us per layer (kernel launches per layer, "
         "torch.profiler); floor = every weight the layer needs (the routed experts only) "
         "read once at the copy bandwidth.",
         "",
