@@ -12,7 +12,12 @@ A last row per plain token count times `torch.cat` of x and r: the same bytes mo
 copy kernel at this size, what the fused op's "% of floor" can be held against.
 Inputs rotate over several sets so that large calls are not served from L2.
 
-    python tools/bench_boundary.py [--out DIR] [--sweep] [--quick]
+    python tools/bench_boundary.py [--out DIR] [--sweep] [--quick] [--ab-row2d]
+
+`--ab-row2d` times only the kernel with its tiles as rows of 2-D tiles (`ROW2D`, one block
+reduction a norm) against the 1-D tiles (one a tile), and the copy of the same bytes, at
+1-16384 tokens (both split into exact tiles; and the launch heuristic's choice),
+interleaved over rounds, into `boundary_row2d_ab.json`.
 """
 
 from __future__ import annotations
@@ -113,6 +118,54 @@ def sweep_boundary(tokens: int, sets, bw: float, topk: int) -> list[dict]:
     return out
 
 
+def ab_row2d(out_dir: str, rounds: int = 5) -> None:
+    """`ROW2D` on and off and the copy of the same bytes, interleaved over `rounds`."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bw = copy_bandwidth()
+
+    def fused(**launch):
+        def fn(x, r, wp, wn, ep, en, xs, rs, g, tw, scale):
+            h, y = torch.empty_like(r), torch.empty_like(r)
+            tk.boundary_into(h, y, x, r, wp, wn, ep, en, xs, rs, tw, scale, **launch)
+            return h, y
+
+        return fn
+
+    fns = {"rows as 2-D tiles": fused(split=True, row2d=True),
+           "1-D tiles": fused(split=True, row2d=False), "the launch heuristic": fused(),
+           COPY_ROW: copy_same_bytes}  # fmt: skip
+    rows = []
+    for tokens in (1, 16, 64, 256, 1024, 4096, 16384):
+        n_sets = max(1, min(16, math.ceil(ROTATION_BYTES / boundary_bytes(tokens, 0))))
+        sets = [make_set(tokens, 0, gen) for _ in range(n_sets)]
+        want_h, want_y = reference.fused_boundary(*sets[0])
+        h2, y2 = fns["rows as 2-D tiles"](*sets[0])
+        h1, y1 = fns["1-D tiles"](*sets[0])
+        times = {n: [] for n in fns}
+        for _ in range(rounds):
+            for n, fn in fns.items():
+                times[n].append(time_per_call(fn, sets))
+        floor = boundary_bytes(tokens, 0) / bw * 1e6
+        med = {n: round(sorted(v)[len(v) // 2], 2) for n, v in times.items()}
+        row = dict(tokens=tokens, floor_us=round(floor, 2), median_us=med,
+                   pct_floor={n: round(100 * floor / t, 1) for n, t in med.items()},
+                   rounds={n: [round(t, 2) for t in v] for n, v in times.items()},
+                   h_equal_pct_2d=drift(h2, want_h)[0], y_equal_pct_2d=drift(y2, want_y)[0],
+                   h_equal_pct_1d=drift(h1, want_h)[0],
+                   y_equal_pct_1d=drift(y1, want_y)[0])  # fmt: skip
+        rows.append(row)
+        print(tokens, med, row["pct_floor"], flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    meta = dict(bench="boundary ROW2D A/B", device=torch.cuda.get_device_name(),
+                torch=torch.__version__, triton=triton.__version__,
+                date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                copy_bandwidth_GBps=round(bw / 1e9, 1),
+                timing=f"CUDA-graph replay medians, {rounds} interleaved rounds")  # fmt: skip
+    with open(os.path.join(out_dir, "boundary_row2d_ab.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
 def main() -> None:
     # One static compile per token count and boundary: more than Dynamo's default limit.
     for name in ("recompile_limit", "cache_size_limit"):
@@ -122,8 +175,12 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--sweep", action="store_true", help="also sweep the kernel's launch shape")
     ap.add_argument("--quick", action="store_true", help="token counts 1, 64, 4096 only")
+    ap.add_argument("--ab-row2d", action="store_true", help="only the ROW2D A/B (see above)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.ab_row2d:
+        ab_row2d(args.out)
+        return
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
     bw = copy_bandwidth()

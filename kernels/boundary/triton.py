@@ -26,6 +26,13 @@ MAX_TOPK = 16
 # 1024 at hidden 5120) rather than one padded tile: fewer registers per row, so two
 # programs fit an SM (bench/NOTES.md).
 SPLIT_ROWS = True
+# Hold each tile as [threads, values a thread] so a thread adds its own values of both tiles
+# before the block-wide sum: one block reduction a norm instead of one a tile (6 barriers a
+# row instead of 12). On an H100 at hidden 5120 (bench/NOTES.md, boundary run 9): 4-6%
+# faster at 1-1024 rows, 0.4-1% slower at 4096-16384 (2048 not measured), hence below
+# ROW2D_BELOW_ROWS only. Only where the tiles divide over the threads, not for the finalize.
+ROW2D = True
+ROW2D_BELOW_ROWS = 4096
 # Launch with programmatic dependent launch (Hopper and later): the norm weights load
 # before the wait on the previous kernel; 2.06 vs 3.01 us at 1 token, 2.90 vs 3.64 at 64
 # on an H200, level from 1024 tokens (bench/results/boundary.md). BEAMFX_PDL=0 turns it off.
@@ -57,12 +64,35 @@ if triton is not None:
             tl.store(ptr + base + cols_b, b, mask=cols_b < hidden)
 
     @triton.jit
-    def _rms_scale(a, b, wa, wb, inv_hidden, eps, HAS_B: tl.constexpr):
+    def _row_cols(BLOCK: tl.constexpr, THREADS: tl.constexpr, ROW2D: tl.constexpr):
+        """Column offsets of a tile: 1-D, or with ROW2D as [THREADS, BLOCK / THREADS], so
+        each thread holds one row of the 2-D tile (the same columns it holds in 1-D)."""
+        if ROW2D:
+            per: tl.constexpr = BLOCK // THREADS
+            return tl.arange(0, THREADS)[:, None] * per + tl.arange(0, per)[None, :]
+        else:
+            return tl.arange(0, BLOCK)
+
+    @triton.jit
+    def _sum_squares(a, b, HAS_B: tl.constexpr, ROW2D: tl.constexpr):
+        """Sum of squares over both tiles. With ROW2D each thread first adds its own values
+        of both tiles, so the row costs one block-wide reduction instead of two."""
+        if ROW2D:
+            part = tl.sum(a * a, axis=1)
+            if HAS_B:
+                part += tl.sum(b * b, axis=1)
+            return tl.sum(part, axis=0)
+        else:
+            total = tl.sum(a * a, axis=0)
+            if HAS_B:
+                total += tl.sum(b * b, axis=0)
+            return total
+
+    @triton.jit
+    def _rms_scale(a, b, wa, wb, inv_hidden, eps, HAS_B: tl.constexpr, ROW2D: tl.constexpr):
         """`v * rsqrt(mean(v^2) + eps) * w` in fp32 over both tiles (masked lanes hold
         zeros); the mean is a multiply by fp32(1/H), as torch's CUDA mean does."""
-        total = tl.sum(a * a, axis=0)
-        if HAS_B:
-            total += tl.sum(b * b, axis=0)
+        total = _sum_squares(a, b, HAS_B, ROW2D)
         inv = tl.math.rsqrt(total * inv_hidden + eps)
         return a * inv * wa, b * inv * wb
 
@@ -90,17 +120,18 @@ if triton is not None:
         HAS_NEXT: tl.constexpr,
         HAS_B: tl.constexpr,
         OUT_DTYPE: tl.constexpr,
+        ROW2D: tl.constexpr,
     ):
         """From the reduced row (fp32 values of OUT_DTYPE) and the residual row: the
         contract's roundings in its order (BEAM.md, "Decoder layer"), then the stores."""
-        ta, tb = _rms_scale(xa, xb, wpa, wpb, inv_hidden, eps_post, HAS_B)
+        ta, tb = _rms_scale(xa, xb, wpa, wpb, inv_hidden, eps_post, HAS_B, ROW2D)
         ta = _round(_round(ta, OUT_DTYPE) * x_scale, OUT_DTYPE)
         tb = _round(_round(tb, OUT_DTYPE) * x_scale, OUT_DTYPE)
         ha = _round(ta + _round(ra.to(tl.float32) * residual_scale, OUT_DTYPE), OUT_DTYPE)
         hb = _round(tb + _round(rb.to(tl.float32) * residual_scale, OUT_DTYPE), OUT_DTYPE)
         _store_row(h_ptr, base, cols_a, cols_b, hidden, ha.to(OUT_DTYPE), hb.to(OUT_DTYPE), HAS_B)
         if HAS_NEXT:
-            ya, yb = _rms_scale(ha, hb, wna, wnb, inv_hidden, eps_next, HAS_B)
+            ya, yb = _rms_scale(ha, hb, wna, wnb, inv_hidden, eps_next, HAS_B, ROW2D)
             ya = _round(ya, OUT_DTYPE).to(OUT_DTYPE)
             yb = _round(yb, OUT_DTYPE).to(OUT_DTYPE)
             _store_row(y_ptr, base, cols_a, cols_b, hidden, ya, yb, HAS_B)
@@ -129,14 +160,19 @@ if triton is not None:
         BLOCK_B: tl.constexpr,
         PREFETCH: tl.constexpr,
         PDL: tl.constexpr,
+        ROW2D: tl.constexpr,
+        THREADS: tl.constexpr,
     ):
         # Each program walks rows pid, pid + grid, ...; the norm weights stay in registers.
         # A row is a BLOCK_A tile plus (BLOCK_B > 0) a BLOCK_B tile after it.
         HAS_B: tl.constexpr = BLOCK_B > 0
         pid = tl.program_id(0)
         step = tl.num_programs(0)
-        cols_a = tl.arange(0, BLOCK_A)
-        cols_b = BLOCK_A + tl.arange(0, BLOCK_B if HAS_B else 1)
+        cols_a = _row_cols(BLOCK_A, THREADS, ROW2D)
+        if HAS_B:
+            cols_b = BLOCK_A + _row_cols(BLOCK_B, THREADS, ROW2D)
+        else:
+            cols_b = cols_a  # not read
         # Streamed rows are read once (evict_first); the norm weights stay in L2 (evict_last).
         wpa, wpb = _load_row(w_post_ptr, 0, cols_a, cols_b, hidden, HAS_B, "evict_last")
         wpa, wpb = wpa.to(tl.float32), wpb.to(tl.float32)
@@ -168,7 +204,7 @@ if triton is not None:
                 _finish_row(
                     xa.to(tl.float32), xb.to(tl.float32), ra, rb, base, h_ptr, y_ptr, cols_a,
                     cols_b, hidden, wpa, wpb, wna, wnb, inv_hidden, eps_post, eps_next, x_scale,
-                    residual_scale, HAS_NEXT, HAS_B, OUT_DTYPE,
+                    residual_scale, HAS_NEXT, HAS_B, OUT_DTYPE, ROW2D,
                 )  # fmt: skip
         else:
             for row in tl.range(pid, n_rows, step):
@@ -195,7 +231,7 @@ if triton is not None:
                 _finish_row(
                     xa, xb, ra, rb, base, h_ptr, y_ptr, cols_a, cols_b, hidden, wpa, wpb, wna,
                     wnb, inv_hidden, eps_post, eps_next, x_scale, residual_scale, HAS_NEXT, HAS_B,
-                    OUT_DTYPE,
+                    OUT_DTYPE, ROW2D,
                 )  # fmt: skip
 
 
@@ -209,6 +245,20 @@ def row_tiles(hidden: int, split: bool) -> tuple[int, int]:
     a = whole // 2
     b = triton.next_power_of_2(hidden - a)
     return (a, b) if a + b < whole else (whole, 0)
+
+
+def rows_as_2d(block_a: int, block_b: int, num_warps: int, dtype: torch.dtype) -> bool:
+    """Whether the tiles can be held as [threads, values a thread] (`ROW2D`): both divide
+    over the threads, and a thread's values of a tile are one 16-byte load (with more,
+    Triton laid the tile across threads: more barriers, not fewer; SASS, sm_90)."""
+    threads = 32 * num_warps
+    per_load = 16 // torch.empty((), dtype=dtype).element_size()
+    return (
+        block_a % threads == 0
+        and block_b % threads == 0
+        and block_a // threads <= per_load
+        and block_b // threads <= per_load
+    )
 
 
 def _check(
@@ -265,19 +315,25 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _launch_config(
-    n_rows: int, hidden: int, topk: int, device: torch.device
-) -> tuple[int, int, bool]:
-    """(num_warps, programs, split), measured on an H200 at hidden 5120 (bench/NOTES.md).
-    Few rows: one row per program, 16 warps, one padded tile (lowest latency). Many rows:
-    two 16-warp programs per SM walking rows with the next row's loads in flight, the row
-    held as exact tiles (4096 + 1024): 87% of copy bandwidth at 16384 rows. The k-row
+    n_rows: int, hidden: int, topk: int, dtype: torch.dtype, device: torch.device
+) -> tuple[int, int, bool, bool]:
+    """(num_warps, programs, split, row2d), measured at hidden 5120 (bench/NOTES.md).
+    Few rows: one row per program, 16 warps; the row as exact tiles (4096 + 1024) held as
+    rows of 2-D tiles where they divide over the threads (`rows_as_2d`), else one padded
+    tile (the exact tiles in 1-D were slower there). Many rows: two 16-warp programs per SM
+    walking rows with the next row's loads in flight, the row as exact tiles: 87% of copy
+    bandwidth at 16384 rows on an H200; as 2-D tiles below `ROW2D_BELOW_ROWS`. The k-row
     finalize: 32 warps, one program per SM, one padded tile (the split was not faster)."""
     sms = _sm_count(device)
     block_h = triton.next_power_of_2(hidden)
     if topk:
-        return min(32, max(4, block_h // 256)), min(n_rows, sms), False
+        return min(32, max(4, block_h // 256)), min(n_rows, sms), False, False
     warps = min(16, max(4, block_h // 512))
-    return (warps, n_rows, False) if n_rows <= sms else (warps, min(n_rows, 2 * sms), SPLIT_ROWS)
+    row2d = ROW2D and n_rows < ROW2D_BELOW_ROWS
+    if n_rows <= sms:
+        row2d = row2d and rows_as_2d(*row_tiles(hidden, True), warps, dtype)
+        return warps, n_rows, row2d, row2d
+    return warps, min(n_rows, 2 * sms), SPLIT_ROWS, row2d
 
 
 def boundary_into(
@@ -299,13 +355,14 @@ def boundary_into(
     prefetch: bool | None = None,
     split: bool | None = None,
     pdl: bool | None = None,
+    row2d: bool | None = None,
 ) -> None:
     """Run the kernel into contiguous `h_out` (and `y_out` when `w_next` is given).
 
     `x` is the reduced sublayer output [T, H], or with `topk_weights` [T, k] the
-    unfinalized expert rows [T, k, H] (finalized in the kernel). `num_warps`, `programs`
-    `prefetch` and `split` (see `row_tiles`) override the launch heuristic (benchmark
-    sweeps only).
+    unfinalized expert rows [T, k, H] (finalized in the kernel). `num_warps`, `programs`,
+    `prefetch`, `split` (see `row_tiles`) and `row2d` (`ROW2D`) override the launch
+    heuristic (benchmark sweeps only).
     """
     hidden = residual.shape[-1]
     n_rows = residual.numel() // hidden if hidden else 0
@@ -318,11 +375,15 @@ def boundary_into(
     if topk_weights is not None:
         topk = topk_weights.shape[-1]
         topk_weights = topk_weights.contiguous()
-    default_warps, default_programs, default_split = _launch_config(n_rows, hidden, topk, x.device)
+    default_warps, default_programs, default_split, default_row2d = _launch_config(
+        n_rows, hidden, topk, residual.dtype, x.device
+    )
     num_warps = num_warps or default_warps
     programs = min(n_rows, programs or default_programs)
     block_a, block_b = row_tiles(hidden, default_split if split is None else split)
     pdl = (PDL if pdl is None else pdl) and _PDL and x.device.type == "cuda" and not copied
+    row2d = (default_row2d if row2d is None else row2d) and topk == 0
+    row2d = row2d and rows_as_2d(block_a, block_b, num_warps, residual.dtype)
     _boundary_kernel[(programs,)](
         x,
         topk_weights if topk_weights is not None else x,
@@ -346,6 +407,8 @@ def boundary_into(
         BLOCK_B=block_b,
         PREFETCH=programs < n_rows if prefetch is None else prefetch,
         PDL=pdl,
+        ROW2D=row2d,
+        THREADS=32 * num_warps,
         num_warps=num_warps,
         **({"launch_pdl": True} if pdl else {}),
     )

@@ -168,14 +168,43 @@ needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INT
     scales=st.tuples(st.floats(0.05, 1.0), st.floats(0.05, 1.0)),
     programs=st.sampled_from([None, 1, 2]),
     split=st.booleans(),
+    row2d=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_interpreted_kernel_matches_reference(
-    tokens, hidden, topk, dtype, scales, programs, split, seed
+    tokens, hidden, topk, dtype, scales, programs, split, row2d, seed
 ):
     args = make_inputs(tokens, hidden, topk, dtype, "cpu", seed, scales=scales)
-    h, y = run_into(args, programs=programs, split=split)
+    h, y = run_into(args, programs=programs, split=split, row2d=row2d)
     check_against_reference(args, h, y)
+
+
+@pytest.mark.parametrize(
+    "rows, topk, dtype, expected",
+    [(1, 0, torch.bfloat16, (16, 1, True, True)), (132, 0, torch.bfloat16, (16, 132, True, True)),
+     (1024, 0, torch.bfloat16, (16, 264, True, True)),
+     (4096, 0, torch.bfloat16, (16, 264, True, False)),
+     (1, 0, torch.float32, (16, 1, False, False)), (64, 8, torch.bfloat16, (32, 64, False, False))],
+)  # fmt: skip
+def test_launch_config_at_hidden_5120(rows, topk, dtype, expected):
+    """(warps, programs, exact tiles, 2-D tiles): exact tiles at few rows only as 2-D tiles
+    (in 1-D one padded tile was faster), 2-D tiles below ROW2D_BELOW_ROWS, never for the
+    finalize (bench/NOTES.md, boundary run 9)."""
+    cpu = torch.device("cpu")  # 132 SMs assumed off a GPU
+    assert triton_kernels._launch_config(rows, 5120, topk, dtype, cpu) == expected
+
+
+@pytest.mark.parametrize(
+    "block_a, block_b, warps, dtype, expected",
+    [(4096, 1024, 16, torch.bfloat16, True), (8192, 0, 16, torch.bfloat16, False),
+     (1024, 256, 4, torch.bfloat16, True), (4096, 1024, 8, torch.bfloat16, False),
+     (1024, 256, 4, torch.float32, False), (64, 0, 4, torch.bfloat16, False),
+     (4096, 64, 16, torch.bfloat16, False), (512, 0, 4, torch.bfloat16, True)],
+)  # fmt: skip
+def test_rows_as_2d_tiles_only_where_a_thread_loads_its_values_at_once(
+    block_a, block_b, warps, dtype, expected
+):
+    assert triton_kernels.rows_as_2d(block_a, block_b, warps, dtype) is expected
 
 
 @pytest.mark.parametrize(
@@ -228,9 +257,10 @@ gpu = pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 7, 64, 333])
 @pytest.mark.parametrize("topk", [0, 8])
 @pytest.mark.parametrize("split", [True, False])
-def test_gpu_matches_reference(hidden, tokens, topk, split):
+@pytest.mark.parametrize("row2d", [None, False])
+def test_gpu_matches_reference(hidden, tokens, topk, split, row2d):
     args = make_inputs(tokens, hidden, topk, torch.bfloat16, "cuda", seed=hidden + tokens)
-    h, y = run_into(args, split=split)
+    h, y = run_into(args, split=split, row2d=row2d)
     check_against_reference(args, h, y)
 
 
