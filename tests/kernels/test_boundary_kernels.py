@@ -207,6 +207,18 @@ def test_rows_as_2d_tiles_only_where_a_thread_loads_its_values_at_once(
     assert triton_kernels.rows_as_2d(block_a, block_b, warps, dtype) is expected
 
 
+@needs_interpreter
+@pytest.mark.parametrize("hidden, tokens", [(1280, 3), (5120, 2), (5120, 140)])
+def test_interpreted_rows_as_2d_tiles_with_both_tiles(hidden, tokens):
+    """The 2-D path with two tiles, few rows and many (the hypothesis test may not draw it)."""
+    args = make_inputs(tokens, hidden, 0, torch.bfloat16, "cpu", seed=hidden + tokens)
+    warps = triton_kernels._launch_config(tokens, hidden, 0, torch.bfloat16, args[0].device)[0]
+    a, b = triton_kernels.row_tiles(hidden, split=True)
+    assert b and triton_kernels.rows_as_2d(a, b, warps, torch.bfloat16)
+    h, y = run_into(args, split=True, row2d=True)
+    check_against_reference(args, h, y)
+
+
 @pytest.mark.parametrize(
     "hidden, tiles",
     [(5120, (4096, 1024)), (4096, (4096, 0)), (7168, (8192, 0)), (6144, (4096, 2048)),
