@@ -28,6 +28,7 @@ import json
 import math
 import os
 import platform
+import statistics
 
 import torch
 import triton
@@ -91,6 +92,17 @@ def variants(compiled) -> dict:
     }
 
 
+def fused_with(**launch):
+    """The fused op with `boundary_into`'s launch overrides (`num_warps`, `split`, ...)."""
+
+    def fn(x, r, wp, wn, ep, en, xs, rs, g, tw, scale):
+        h, y = torch.empty_like(r), torch.empty_like(r)
+        tk.boundary_into(h, y, x, r, wp, wn, ep, en, xs, rs, tw, scale, **launch)
+        return h, y
+
+    return fn
+
+
 def sweep_boundary(tokens: int, sets, bw: float, topk: int) -> list[dict]:
     """Launch shapes of the Triton kernel: warps x programs (persistent grid above SMs) x
     row tiles (4096 + 1024, or one padded 8192 tile)."""
@@ -102,14 +114,8 @@ def sweep_boundary(tokens: int, sets, bw: float, topk: int) -> list[dict]:
     grid = [(w, s, pdl) for w in (4, 8, 16, 32) for s in (True, False) for pdl in (False, True)]
     for warps, split, pdl in grid:
         for progs, prefetch in shapes:
-
-            def fn(x, r, wp, wn, ep, en, xs, rs, g, tw, scale, w=warps, p=progs, f=prefetch,
-                   s=split, d=pdl):  # fmt: skip
-                h, y = torch.empty_like(r), torch.empty_like(r)
-                tk.boundary_into(h, y, x, r, wp, wn, ep, en, xs, rs, tw, scale,
-                                 num_warps=w, programs=p, prefetch=f, split=s, pdl=d)  # fmt: skip
-                return h, y
-
+            fn = fused_with(num_warps=warps, programs=progs, prefetch=prefetch, split=split,
+                            pdl=pdl)  # fmt: skip
             us = time_per_call(fn, sets)
             floor = boundary_bytes(tokens, topk) / bw * 1e6
             out.append(dict(tokens=tokens, topk=topk, warps=warps, programs=progs,
@@ -123,16 +129,8 @@ def ab_row2d(out_dir: str, rounds: int = 5) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     bw = copy_bandwidth()
 
-    def fused(**launch):
-        def fn(x, r, wp, wn, ep, en, xs, rs, g, tw, scale):
-            h, y = torch.empty_like(r), torch.empty_like(r)
-            tk.boundary_into(h, y, x, r, wp, wn, ep, en, xs, rs, tw, scale, **launch)
-            return h, y
-
-        return fn
-
-    fns = {"rows as 2-D tiles": fused(split=True, row2d=True),
-           "1-D tiles": fused(split=True, row2d=False), "the launch heuristic": fused(),
+    fns = {"rows as 2-D tiles": fused_with(split=True, row2d=True),
+           "1-D tiles": fused_with(split=True, row2d=False), "the launch heuristic": fused_with(),
            COPY_ROW: copy_same_bytes}  # fmt: skip
     rows = []
     for tokens in (1, 16, 64, 256, 1024, 4096, 16384):
@@ -146,7 +144,7 @@ def ab_row2d(out_dir: str, rounds: int = 5) -> None:
             for n, fn in fns.items():
                 times[n].append(time_per_call(fn, sets))
         floor = boundary_bytes(tokens, 0) / bw * 1e6
-        med = {n: round(sorted(v)[len(v) // 2], 2) for n, v in times.items()}
+        med = {n: round(statistics.median(v), 2) for n, v in times.items()}
         row = dict(tokens=tokens, floor_us=round(floor, 2), median_us=med,
                    pct_floor={n: round(100 * floor / t, 1) for n, t in med.items()},
                    rounds={n: [round(t, 2) for t in v] for n, v in times.items()},

@@ -29,8 +29,8 @@ SPLIT_ROWS = True
 # Hold each tile as [threads, values a thread] so a thread adds its own values of both tiles
 # before the block-wide sum: one block reduction a norm instead of one a tile (6 barriers a
 # row instead of 12). On an H100 at hidden 5120 (bench/NOTES.md, boundary run 9): 4-6%
-# faster at 1-1024 rows, 0.4-1% slower at 4096-16384 (2048 not measured), hence below
-# ROW2D_BELOW_ROWS only. Only where the tiles divide over the threads, not for the finalize.
+# faster at 1-1024 rows, within 1% either way at 4096-16384 (2048 not measured), hence
+# below ROW2D_BELOW_ROWS only. Only where the tiles divide over the threads, not for the finalize.
 ROW2D = True
 ROW2D_BELOW_ROWS = 4096
 # Launch with programmatic dependent launch (Hopper and later): the norm weights load
@@ -252,7 +252,7 @@ def rows_as_2d(block_a: int, block_b: int, num_warps: int, dtype: torch.dtype) -
     over the threads, and a thread's values of a tile are one 16-byte load (with more,
     Triton laid the tile across threads: more barriers, not fewer; SASS, sm_90)."""
     threads = 32 * num_warps
-    per_load = 16 // torch.empty((), dtype=dtype).element_size()
+    per_load = 16 // dtype.itemsize
     return (
         block_a % threads == 0
         and block_b % threads == 0
