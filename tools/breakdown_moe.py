@@ -33,12 +33,14 @@ import bench_moe as bm  # noqa: E402
 from beamfx.kernels.moe import cutedsl as cd  # noqa: E402
 
 
-def launches(tensors, cfg: cd.Config, tokens: int):
+def launches(tensors, cfg: cd.Config, tokens: int, pairs: int | None = None):
     """(fc1(x, ids, w), fc2(x, ids, w)): the call's two launches as `cd.experts` makes them,
-    on buffers made once (FC2 reads the h FC1 left there)."""
+    on buffers made once (FC2 reads the h FC1 left there). `pairs`: FC1's pairs, if not
+    all of the tokens' (tokens x top-k)."""
     w13, w13_scale, w13_global, w2, w2_scale, w2_global = tensors
     fc1w, fc2w, g13, g2 = cd.prepare(w13, w13_scale, w13_global, w2, w2_scale, w2_global)
     hidden, inter, k = bm.HIDDEN, w13.shape[1] // 2, bm.TOP_K
+    pairs = tokens * k if pairs is None else pairs
     stage1, stage2 = cd.stage_chunks(cfg, hidden, inter)
     run1 = cd.compiled_fc1(k, cfg.warps1, cfg.depth1, cfg.pdl, stage1, cfg.step_loads)
     run2 = cd.compiled_fc2(k, cfg.warps2, True, cfg.depth2, cfg.pdl, stage2, cfg.step_loads)
@@ -47,7 +49,7 @@ def launches(tensors, cfg: cd.Config, tokens: int):
 
     def fc1(x, ids, w):
         run1(x.data_ptr(), ids.data_ptr(), fc1w.codes.data_ptr(), fc1w.scales.data_ptr(),
-             g13.data_ptr(), h.data_ptr(), tokens * k, hidden, inter, cd._stream())  # fmt: skip
+             g13.data_ptr(), h.data_ptr(), pairs, hidden, inter, cd._stream())  # fmt: skip
 
     def fc2(x, ids, w):
         run2(h.data_ptr(), ids.data_ptr(), fc2w.codes.data_ptr(), fc2w.scales.data_ptr(),

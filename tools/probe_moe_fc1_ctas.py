@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import bench_moe as bm  # noqa: E402
+from breakdown_moe import launches  # noqa: E402
 
 from beamfx.kernels.moe import cutedsl as cd  # noqa: E402
 
@@ -38,27 +39,20 @@ def main() -> None:
     configs = json.loads(args.configs) if args.configs else CONFIGS
     gen = torch.Generator(device="cuda").manual_seed(0)
     inter, hidden, k = bm.SHAPES["TP8"], bm.HIDDEN, bm.TOP_K
-    q = bm.random_experts(inter, gen)
-    fc1w, _, g13, _ = cd.prepare(*q.tensors())
+    tensors = bm.random_experts(inter, gen).tensors()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for fields in configs:
         cfg = cd.Config(pdl=cd.PDL, stage=True, **fields)
-        stage1, _ = cd.stage_chunks(cfg, hidden, inter)
-        run = cd.compiled_fc1(k, cfg.warps1, cfg.depth1, cfg.pdl, stage1, False)
         for pairs in args.pairs:
             tokens = -(-pairs // k)
-            h = torch.zeros(tokens * k, inter, device="cuda", dtype=torch.bfloat16)
+            fc1, _ = launches(tensors, cfg, tokens, pairs)
+            weights = torch.ones(tokens, k, device="cuda")  # FC1 does not read them
             sets = []
             for _ in range(32):
                 x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
                 ids = torch.randperm(bm.EXPERTS, generator=gen, device="cuda")[:pairs]
-                sets.append((x, ids.to(torch.int32)))
-
-            def fc1(x, ids, run=run, h=h, pairs=pairs):
-                run(x.data_ptr(), ids.data_ptr(), fc1w.codes.data_ptr(), fc1w.scales.data_ptr(),
-                    g13.data_ptr(), h.data_ptr(), pairs, hidden, inter, cd._stream())  # fmt: skip
-
+                sets.append((x, ids.to(torch.int32), weights))
             cold = bm.interleaved_rounds({"cold": fc1}, sets, args.rounds)["cold"]
             hot = bm.interleaved_rounds({"hot": fc1}, [sets[0]] * len(sets), args.rounds)["hot"]
             ctas = pairs * (inter // 8)
