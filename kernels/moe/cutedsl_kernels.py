@@ -115,6 +115,13 @@ def ld_f32(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def ld_f32_early(addr, *, loc=None, ip=None):
+    """`ld_f32` issued where it stands (volatile, coherent): a load whose value is needed
+    only after a long loop, started before it so that its round trip hides there."""
+    return _asm([Float32], [Int64(addr)], "ld.global.f32 $0, [$1];", "=f,l", True, loc, ip)[0]
+
+
+@dsl_user_op
 def st_bf16(addr, value, *, loc=None, ip=None):
     _asm(
         [],
@@ -331,6 +338,9 @@ def fc1_kernel(
     if cutlass.const_expr(pdl):  # ids and activations come from the previous launch
         wait_and_release()
     e = ld_s32(ids + Int64(pair) * 4)
+    # the expert's global scales, needed after the K loop: their round trip hides in it
+    g_gate = ld_f32_early(g13 + Int64(e) * 8)
+    g_up = ld_f32_early(g13 + Int64(e) * 8 + 4)
     kc = hidden // 64
     per = (kc + warps - 1) // warps
     c_begin = warp * per
@@ -363,8 +373,8 @@ def fc1_kernel(
         for w in cutlass.range_constexpr(warps):
             gate = gate + red[w * 64 + lane]
             up = up + red[w * 64 + 32 + lane]
-        gate = round_bf16(gate * frag.UNDO * ld_f32(g13 + Int64(e) * 8))
-        up = round_bf16(up * frag.UNDO * ld_f32(g13 + Int64(e) * 8 + 4))
+        gate = round_bf16(gate * frag.UNDO * g_gate)
+        up = round_bf16(up * frag.UNDO * g_up)
         act = gate / (1.0 + cute.math.exp(-gate)) * up
         st_bf16(h + (Int64(pair) * inter + rt * 8 + g) * 2, act)
 
@@ -388,6 +398,11 @@ def fc2_kernel(
     for j in cutlass.range(warp, topk, warps):
         pair = Int64(tok) * topk + j
         e = ld_s32(ids + pair * 4)
+        # the expert's global scale and the pair's weight, needed after the K loop
+        ge = ld_f32_early(g2 + Int64(e) * 4) * frag.UNDO
+        wt = Float32(1.0)
+        if cutlass.const_expr(combine):
+            wt = ld_f32_early(weights + pair * 4)
         tile = Int64(e) * tiles + rt
         acc = dot_rows(
             codes + tile * kc * 512 + lane * 16,
@@ -403,12 +418,10 @@ def fc2_kernel(
             lane,
             step_loads,
         )
-        ge = ld_f32(g2 + Int64(e) * 4) * frag.UNDO
         lo = round_bf16(acc[0] * ge)
         hi = round_bf16(acc[2] * ge)
         if lc == 0:
             if cutlass.const_expr(combine):
-                wt = ld_f32(weights + pair * 4)
                 rows[j * 16 + g] = lo * wt
                 rows[j * 16 + g + 8] = hi * wt
             else:
