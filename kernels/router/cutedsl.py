@@ -141,14 +141,14 @@ def why_not_routing(experts: int, top_k: int, n_group: int, topk_group: int) -> 
 
 @functools.cache
 def compiled(hidden, experts, n_tiles, cfg: Config, fp32_weight, route, n_group, topk_group,
-             top_k, renorm):  # fmt: skip
+             top_k, renorm, few=False):  # fmt: skip
     k = _cute()[0]
     z64 = k.Int64(0)
     stream = moe_cutedsl._stream_type()(0)
     return k.cute.compile(
         k.router_host, *[z64] * 7, k.Int32(1), stream, hidden, experts, n_tiles,
         cfg.warps, cfg.cluster, fp32_weight, cfg.chains, cfg.pdl, route, n_group, topk_group,
-        top_k, renorm, cfg.probe,
+        top_k, renorm, few, cfg.probe,
     )  # fmt: skip
 
 
@@ -195,7 +195,9 @@ def _launch(x2d, weight, logits, route=None, config: Config | None = None):
         ptrs = [bias.data_ptr(), weights.data_ptr(), ids.data_ptr(),
                 _counter(x2d.device).data_ptr()]  # fmt: skip
         static = (True, n_group, topk_group, top_k, bool(renorm))
-    run = compiled(hidden, experts, n_tiles, cfg, fp32, *static)
+    # At most one token a warp: the last CTA routes them alone (see router_kernel).
+    few = route is not None and tokens <= cfg.warps
+    run = compiled(hidden, experts, n_tiles, cfg, fp32, *static, few)
     run(x2d.data_ptr(), weight.data_ptr(), logits.data_ptr(), *ptrs, tokens, moe_cutedsl._stream())
 
 

@@ -122,6 +122,18 @@ def cluster_sync(relaxed=False, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def cluster_arrive_relaxed(*, loc=None, ip=None):
+    """This thread's arrival at the cluster barrier, without memory ordering: for a barrier
+    that only keeps every CTA's shared memory alive until its peers are done reading it."""
+    _asm([], [], "barrier.cluster.arrive.relaxed.aligned;", "", True, loc, ip)
+
+
+@dsl_user_op
+def cluster_wait(*, loc=None, ip=None):
+    _asm([], [], "barrier.cluster.wait.aligned;", "", True, loc, ip)
+
+
+@dsl_user_op
 def fence_gpu(*, loc=None, ip=None):
     _asm([], [], "fence.acq_rel.gpu;", "", True, loc, ip)
 
@@ -344,17 +356,24 @@ def router_kernel(
     n_tiles: cutlass.Constexpr, warps: cutlass.Constexpr, cluster: cutlass.Constexpr,
     fp32_weight: cutlass.Constexpr, chains: cutlass.Constexpr, pdl: cutlass.Constexpr,
     route: cutlass.Constexpr, n_group: cutlass.Constexpr, topk_group: cutlass.Constexpr,
-    top_k: cutlass.Constexpr, renorm: cutlass.Constexpr, probe: cutlass.Constexpr,
+    top_k: cutlass.Constexpr, renorm: cutlass.Constexpr, few: cutlass.Constexpr,
+    probe: cutlass.Constexpr,
 ):  # fmt: skip
     """Logits of 16 experts (block x) over a 1/`cluster` share of K (the cluster's rank);
     each warp takes 1/`warps` of that share, 32 of K a step. Partials meet in the cluster's
     shared memory, summed in a fixed order. With `route`, the cluster of the last CTA to
     finish routes every token (one warp a token).
 
+    With `few` (at most one token a warp of a CTA) the last CTA routes them with its own
+    warps: its cluster's second barrier then only keeps shared memory alive for the peers'
+    reads, so it is relaxed, and waited on at exit rather than before the routing. (Two
+    tokens a warp in series cost more than the flags save: 9.25 against 7.15 us at 8.)
+
     `probe` (benchmarks only; 0 otherwise) leaves a stage out to time it: 1 the exchange
     (each warp stores its own partial), 2 the barriers' memory ordering, 3 the routing
-    (the arrival and the flags kept), 4 the early release of the next PDL launch (results
-    right: it only times what the release gains)."""
+    (the arrival and the flags kept), 4 the early release of the next PDL launch, 5 the
+    last CTA's own routing with `few` (the cluster flagged through a second full
+    barrier, as for more tokens) (4 and 5: results right, they time what a step gains)."""
     tile, _, _ = cute.arch.block_idx()
     tid, _, _ = cute.arch.thread_idx()
     warp = tid // 32
@@ -462,23 +481,40 @@ def router_kernel(
                 total = total + ld_peer(part + ((wp * cols) * 16 + at) * 4, q)
         if tok < tokens:
             st_f32(logits + (Int64(tok) * experts + tile * 16 + at % 16) * 4, total)
+    # With few tokens the last CTA routes alone: no flags for its peers, and the barrier that
+    # keeps this CTA's partials readable until its peers are done is relaxed, waited at exit.
+    local = route and few and probe != 5
     if cutlass.const_expr(route):
         # Each CTA counts its arrival once its logits are out; the last of the launch sees
-        # every logit, and flags its cluster (waiting at the barrier below) to route.
+        # every logit, and routes them (few tokens) or flags its cluster to (more).
         fence_gpu()
         cute.arch.sync_threads()
         if tid == 0:  # noqa: SIM102 (the arrival only in thread 0)
             if arrive(counter) == experts // 16 * cluster - 1:
                 reset(counter)
-                for q in cutlass.range_constexpr(cluster):
-                    st_peer_s32(flag, q, 1)
-    cluster_sync(relaxed)
-    if cutlass.const_expr(route and probe != 3):  # noqa: SIM102 (static around dynamic)
-        if ld_shared_s32(flag) != 0:
-            fence_gpu()
-            for t in cutlass.range(rank * warps + warp, tokens, cluster * warps):
-                route_token(logits, bias, weights, ids, t, lane, experts, n_group,
-                            topk_group, top_k, renorm)  # fmt: skip
+                if cutlass.const_expr(local):
+                    st_shared_s32(flag, 1)
+                else:
+                    for q in cutlass.range_constexpr(cluster):
+                        st_peer_s32(flag, q, 1)
+    if cutlass.const_expr(local or not route):
+        cluster_arrive_relaxed()
+        if cutlass.const_expr(local and probe != 3):
+            cute.arch.sync_threads()
+            if ld_shared_s32(flag) != 0:
+                fence_gpu()
+                for t in cutlass.range(warp, tokens, warps):
+                    route_token(logits, bias, weights, ids, t, lane, experts, n_group,
+                                topk_group, top_k, renorm)  # fmt: skip
+        cluster_wait()
+    else:
+        cluster_sync(relaxed)
+        if cutlass.const_expr(probe != 3):  # noqa: SIM102 (static around dynamic)
+            if ld_shared_s32(flag) != 0:
+                fence_gpu()
+                for t in cutlass.range(rank * warps + warp, tokens, cluster * warps):
+                    route_token(logits, bias, weights, ids, t, lane, experts, n_group,
+                                topk_group, top_k, renorm)  # fmt: skip
 
 
 @cute.jit
@@ -488,11 +524,12 @@ def router_host(
     n_tiles: cutlass.Constexpr, warps: cutlass.Constexpr, cluster: cutlass.Constexpr,
     fp32_weight: cutlass.Constexpr, chains: cutlass.Constexpr, pdl: cutlass.Constexpr,
     route: cutlass.Constexpr, n_group: cutlass.Constexpr, topk_group: cutlass.Constexpr,
-    top_k: cutlass.Constexpr, renorm: cutlass.Constexpr, probe: cutlass.Constexpr,
+    top_k: cutlass.Constexpr, renorm: cutlass.Constexpr, few: cutlass.Constexpr,
+    probe: cutlass.Constexpr,
 ):  # fmt: skip
     router_kernel(
         x, w, logits, bias, weights, ids, counter, tokens, hidden, experts, n_tiles, warps,
-        cluster, fp32_weight, chains, pdl, route, n_group, topk_group, top_k, renorm, probe,
+        cluster, fp32_weight, chains, pdl, route, n_group, topk_group, top_k, renorm, few, probe,
     ).launch(
         grid=[experts // 16, cluster, 1], block=[32 * warps, 1, 1], cluster=[1, cluster, 1],
         stream=stream, use_pdl=pdl,

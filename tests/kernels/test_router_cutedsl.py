@@ -165,7 +165,7 @@ def test_gpu_repeatable(tokens):
 
 
 @gpu
-@pytest.mark.parametrize("tokens", [1, 7, 16, 33, 64])
+@pytest.mark.parametrize("tokens", [1, 4, 7, 8, 16, 33, 64])
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_gpu_routing_beam_shape(tokens, renormalize):
     x, w, bias = make_router(tokens, 5120, 256, torch.float32, "cuda", seed=tokens)
