@@ -27,6 +27,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -91,19 +92,36 @@ CUTEDSL_SWEEP = [  # cluster, warps, chains, PDL; probe: a stage left out, to ti
 ]
 
 
-def cutedsl_sweep(weights, bias, gen) -> list[dict]:
+def cutedsl_sweep(weights, bias, gen, rounds: int = 1) -> list[dict]:
+    """Each config's logits and routed call; with `rounds` > 1 the configs take turns (the
+    order rotated each round) and the row gives the median and every round's time. A
+    probe that should keep the bits (4-6) is checked against the first config's routing."""
     rows = []
     for tokens in CUTEDSL_SWEEP_TOKENS:
         xs = [torch.randn(tokens, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
               for _ in range(N_WEIGHTS)]  # fmt: skip
         sets = list(zip(xs, weights))
+        calls, found = [], []
         for cfg in CUTEDSL_SWEEP:
             gemm = lambda x, w, c=cfg: rc.router_gemm(x, w, config=c)
             routed = lambda x, w, c=cfg: cute_routing(x, w, bias, c)
             rel, off = logits_errors(gemm(*sets[0]), *sets[0])  # a probe's: meaningless
-            row = dict(tokens=tokens, config=repr(cfg), logits_rel_err=float(f"{rel:.2e}"),
-                       elements_off_1e_5=off, logits_us=round(time_per_call(gemm, sets), 2),
-                       routed_us=round(time_per_call(routed, sets), 2))  # fmt: skip
+            calls.append((gemm, routed))
+            found.append(dict(rel=rel, off=off, routing=[t.clone() for t in routed(*sets[0])]))
+        times = [dict(logits=[], routed=[]) for _ in CUTEDSL_SWEEP]
+        for r in range(rounds):
+            for i in [(r + j) % len(CUTEDSL_SWEEP) for j in range(len(CUTEDSL_SWEEP))]:
+                times[i]["logits"].append(time_per_call(calls[i][0], sets))
+                times[i]["routed"].append(time_per_call(calls[i][1], sets))
+        for cfg, f, t in zip(CUTEDSL_SWEEP, found, times):
+            same = all(torch.equal(a, b) for a, b in zip(f["routing"], found[0]["routing"]))
+            row = dict(tokens=tokens, config=repr(cfg), logits_rel_err=float(f"{f['rel']:.2e}"),
+                       elements_off_1e_5=f["off"], routing_bits_as_first_config=same,
+                       logits_us=round(statistics.median(t["logits"]), 2),
+                       routed_us=round(statistics.median(t["routed"]), 2))  # fmt: skip
+            if rounds > 1:
+                row.update(logits_rounds=[round(v, 2) for v in t["logits"]],
+                           routed_rounds=[round(v, 2) for v in t["routed"]])  # fmt: skip
             rows.append(row)
             print(row, flush=True)
     return rows
@@ -479,6 +497,8 @@ def main() -> None:
     ap.add_argument("--broadcast-confirm", action="store_true",
                     help="only time the broadcast sweep's finalists, interleaved")  # fmt: skip
     ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="--cutedsl-sweep: rounds in which the configs take turns")  # fmt: skip
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -536,9 +556,10 @@ def main() -> None:
             return
         adopt_sweep(swept)
     if args.cutedsl_sweep:
-        meta = sweep_stamp(cutlass_dsl=package_version("nvidia-cutlass-dsl"))
+        meta = sweep_stamp(cutlass_dsl=package_version("nvidia-cutlass-dsl"), rounds=args.rounds)
+        rows = cutedsl_sweep(weights, bias, gen, args.rounds)
         with open(os.path.join(args.out, "router_cutedsl_sweep.json"), "w") as f:
-            json.dump(dict(meta=meta, rows=cutedsl_sweep(weights, bias, gen)), f, indent=1)
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
         return
     if args.probe:
         meta = stamp(
