@@ -94,8 +94,9 @@ CUTEDSL_SWEEP = [  # cluster, warps, chains, PDL; probe: a stage left out, to ti
 
 def cutedsl_sweep(weights, bias, gen, rounds: int = 1) -> list[dict]:
     """Each config's logits and routed call; with `rounds` > 1 the configs take turns (the
-    order rotated each round) and the row gives the median and every round's time. A
-    probe that should keep the bits (4-6) is checked against the first config's routing."""
+    order rotated each round) and the row gives the median and every round's time. Each
+    config's routing is compared bitwise with the first config's (the probes that time a
+    step keep the bits; other chains sum in another order)."""
     rows = []
     for tokens in CUTEDSL_SWEEP_TOKENS:
         xs = [torch.randn(tokens, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)

@@ -499,22 +499,19 @@ def router_kernel(
                         st_peer_s32(flag, q, 1)
     if cutlass.const_expr(local or not route):
         cluster_arrive_relaxed()
-        if cutlass.const_expr(local and probe != 3):
-            cute.arch.sync_threads()
-            if ld_shared_s32(flag) != 0:
-                fence_gpu()
-                for t in cutlass.range(warp, tokens, warps):
-                    route_token(logits, bias, weights, ids, t, lane, experts, n_group,
-                                topk_group, top_k, renorm)  # fmt: skip
-        cluster_wait()
     else:
         cluster_sync(relaxed)
-        if cutlass.const_expr(probe != 3):  # noqa: SIM102 (static around dynamic)
-            if ld_shared_s32(flag) != 0:
-                fence_gpu()
-                for t in cutlass.range(rank * warps + warp, tokens, cluster * warps):
-                    route_token(logits, bias, weights, ids, t, lane, experts, n_group,
-                                topk_group, top_k, renorm)  # fmt: skip
+    if cutlass.const_expr(route and probe != 3):
+        if cutlass.const_expr(local):
+            cute.arch.sync_threads()  # the flag, set by this CTA's thread 0
+        if ld_shared_s32(flag) != 0:
+            fence_gpu()
+            first, stride = (warp, warps) if local else (rank * warps + warp, cluster * warps)
+            for t in cutlass.range(first, tokens, stride):
+                route_token(logits, bias, weights, ids, t, lane, experts, n_group,
+                            topk_group, top_k, renorm)  # fmt: skip
+    if cutlass.const_expr(local or not route):
+        cluster_wait()
 
 
 @cute.jit
