@@ -15,10 +15,11 @@ its warps a slice of that, 32 of K a step (Beam-1.0, 5120 x 256: 16 clusters of 
 - The warps' fp32 partials meet in the cluster's distributed shared memory: each CTA sums
   its share of the tile's outputs over the cluster's CTAs and warps in a fixed order (one
   launch, no second pass, bitwise repeatable).
-- With routing, each CTA counts its arrival on a device counter once its logits are out
-  (acquire/release); the last one sees every logit and flags its cluster, whose 32 warps
-  route a token each (`route_token`: sorted per-lane keys, butterfly group top-2,
-  `redux.sync` rounds for the top-k). The logits go through L2 only.
+- With routing, the CTAs that sum the logits also score them (sigmoid, biased key); each
+  counts its arrival on a device counter once its outputs are out (acquire/release); the
+  last one sees every score and routes (up to a token a warp) or flags its cluster, whose
+  32 warps route a token each (`route_token`: sorted per-lane keys, butterfly group
+  top-2, `redux.sync` rounds for the top-k). The scores go through L2 only.
 
 The Triton kernels (`triton.py`) serve what this does not: more than MAX_TOKENS tokens,
 shapes off the tiles, routing shapes the warp layout cannot hold, GPUs other than 9.x.
@@ -40,10 +41,12 @@ from beamfx.ops import Provider
 MAX_TOKENS = 64  # 8 MMA column tiles of 8 tokens
 # Where the Triton kernels are faster on an H200 (bench/NOTES.md, router runs 11, 13, 14):
 # logits below 8 tokens (the whole-row kernel, 3.55 against 3.86 us at 4; at 8 this
-# kernel, 3.89 against 4.53), logits + routing below 4 and above 32 tokens.
+# kernel, 3.89 against 4.53). Logits + routing: this kernel at every count it serves since
+# the summing CTAs score the logits (router run 17: 5.59 us at 1 token against 6.82 for
+# Triton's two kernels, 10.70 against 12.11 at 64).
 LOGITS_MIN_TOKENS = 8
-ROUTED_MIN_TOKENS = 4
-ROUTED_MAX_TOKENS = 32
+ROUTED_MIN_TOKENS = 1
+ROUTED_MAX_TOKENS = MAX_TOKENS
 MAX_STEPS = 8  # 32-wide K steps a warp holds in flight (registers)
 PDL = moe_cutedsl.PDL
 
@@ -146,7 +149,7 @@ def compiled(hidden, experts, n_tiles, cfg: Config, fp32_weight, route, n_group,
     z64 = k.Int64(0)
     stream = moe_cutedsl._stream_type()(0)
     return k.cute.compile(
-        k.router_host, *[z64] * 7, k.Int32(1), stream, hidden, experts, n_tiles,
+        k.router_host, *[z64] * 8, k.Int32(1), stream, hidden, experts, n_tiles,
         cfg.warps, cfg.cluster, fp32_weight, cfg.chains, cfg.pdl, route, n_group, topk_group,
         top_k, renorm, few, cfg.probe,
     )  # fmt: skip
@@ -188,11 +191,14 @@ def _launch(x2d, weight, logits, route=None, config: Config | None = None):
     n_tiles = (tokens + 7) // 8
     fp32 = weight.dtype == torch.float32
     if route is None:
-        ptrs = [0, 0, 0, 0]
+        ptrs = [0, 0, 0, 0, 0]
         static = (False, 1, 1, 1, False)
     else:
         bias, weights, ids, top_k, n_group, topk_group, renorm = route
-        ptrs = [bias.data_ptr(), weights.data_ptr(), ids.data_ptr(),
+        # Each expert's biased key and sigmoid, [token][expert][2]: the routing's inputs,
+        # written by the CTAs that sum the logits.
+        scored = torch.empty((tokens, experts, 2), dtype=torch.int32, device=x2d.device)
+        ptrs = [scored.data_ptr(), bias.data_ptr(), weights.data_ptr(), ids.data_ptr(),
                 _counter(x2d.device).data_ptr()]  # fmt: skip
         static = (True, n_group, topk_group, top_k, bool(renorm))
     # At most one token a warp: the last CTA routes them alone (see router_kernel).

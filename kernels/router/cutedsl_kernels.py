@@ -268,32 +268,66 @@ def warp_argmax(key, *, loc=None, ip=None):
 
 
 @cute.jit
+def ld_row(row, n: cutlass.Constexpr):
+    """`n` (1, 2 or a multiple of 4) floats from `row`, read at L2 (other CTAs wrote them)."""
+    vals = []
+    for v in cutlass.range_constexpr(n // 4):
+        vals.extend(ld_l2_v4(row + 16 * v))
+    for i in cutlass.range_constexpr(n % 4):
+        vals.append(ld_l2(row + 4 * i))
+    return vals
+
+
+@cute.jit
+def sigmoid(v):
+    return Float32(1.0) / (Float32(1.0) + cute.math.exp(-v))
+
+
+@cute.jit
 def route_token(
-    logits, bias, weights, ids, t, lane,
+    logits, scored, bias, weights, ids, t, lane,
     experts: cutlass.Constexpr, n_group: cutlass.Constexpr, topk_group: cutlass.Constexpr,
-    top_k: cutlass.Constexpr, renorm: cutlass.Constexpr,
+    top_k: cutlass.Constexpr, renorm: cutlass.Constexpr, probe: cutlass.Constexpr,
 ):  # fmt: skip
     """Grouped sigmoid top-k of token `t`'s logits (`reference.grouped_topk`) by one warp:
     lane l holds experts [l * per, (l + 1) * per), sorted by biased score; the groups'
     top-2 sums meet by butterfly shuffles; each of the top-k rounds takes the warp's best
-    head (`redux.sync`) and its lane moves on."""
+    head (`redux.sync`) and its lane moves on; lane j < top_k writes the j-th choice.
+    A warp's routing is a chain of dependent steps (~2 us a token on an H200), so what
+    can leave it does: the CTAs that sum the logits also score them (`scored`: each
+    expert's biased key and sigmoid, [token][expert][2]), so the warp starts from the keys;
+    one division a lane for the weights rather than top_k in series. `probe` (benchmarks
+    only) keeps a former form: 7 the warp scores the logits itself (every exp before the
+    first division: an IEEE division is a branch in SASS, which the scheduler does not
+    move work across), 6 as 7 with each exp just before its division and the weights
+    divided in series. The same operations on the same values: the same bits."""
     per = experts // 32
     lanes_per_group = 32 // n_group
-    keys = []
-    idx = []
-    sc = []
-    bias_v = [ld_l2(bias + (lane * per + i) * 4) for i in range(per)]
-    row = logits + (Int64(t) * experts + lane * per) * 4
-    vals = []
-    for v in cutlass.range_constexpr(per // 4):
-        vals.extend(ld_l2_v4(row + 16 * v))
-    for i in cutlass.range_constexpr(per % 4):
-        vals.append(ld_l2(row + 4 * i))
-    for i in cutlass.range_constexpr(per):
-        s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-vals[i]))
-        keys.append(key_of(bits(s + bias_v[i])))
-        idx.append(lane * per + i)
-        sc.append(bits(s))
+    if cutlass.const_expr(probe == 6 or probe == 7):
+        idx = [lane * per + i for i in range(per)]
+        bias_v = [ld_l2(bias + (lane * per + i) * 4) for i in range(per)]
+        vals = ld_row(logits + (Int64(t) * experts + lane * per) * 4, per)
+        if cutlass.const_expr(probe == 6):
+            s_v = []
+            keys = []
+            for i in cutlass.range_constexpr(per):
+                s_v.append(sigmoid(vals[i]))
+                keys.append(key_of(bits(s_v[i] + bias_v[i])))
+        else:
+            denominators = [Float32(1.0) + cute.math.exp(-vals[i]) for i in range(per)]
+            s_v = [Float32(1.0) / denominators[i] for i in range(per)]
+            keys = [key_of(bits(s_v[i] + bias_v[i])) for i in range(per)]
+        sc = [bits(s_v[i]) for i in range(per)]
+    else:
+        pairs = ld_row(scored + (Int64(t) * experts + lane * per) * 8, 2 * per)
+        # Each half of the sort takes a key of every 16-byte load (two experts' pairs): ptxas
+        # sinks a load to its first use, which for the natural order is after the first
+        # half's sort (an L2 round trip each, in series). Any order sorts the same.
+        loads = per // 2
+        order = [2 * (i % loads) + i // loads for i in range(per)] if per >= 4 else range(per)
+        idx = [lane * per + m for m in order]
+        keys = [bits(pairs[2 * m]) for m in order]
+        sc = [bits(pairs[2 * m + 1]) for m in order]
     net = sort_network(per)
     for n in cutlass.range_constexpr(len(net)):
         a, b = net[n]
@@ -340,19 +374,35 @@ def route_token(
         total = chosen_s[0]
         for j in cutlass.range_constexpr(1, top_k):
             total = total + chosen_s[j]
-    for j in cutlass.range_constexpr(top_k):
-        if lane == j:
-            w = chosen_s[j]
+    if cutlass.const_expr(probe == 6):
+        for j in cutlass.range_constexpr(top_k):
+            if lane == j:
+                w = chosen_s[j]
+                if cutlass.const_expr(renorm):
+                    w = chosen_s[j] / total
+                st_f32(weights + (Int64(t) * top_k + j) * 4, w)
+                st_s32(ids + (Int64(t) * top_k + j) * 4, chosen[j])
+    else:
+        mine = chosen[0]
+        mine_s = bits(chosen_s[0])
+        for j in cutlass.range_constexpr(1, top_k):
+            is_j = Int32(0)
+            if lane == j:
+                is_j = Int32(1)
+            mine = pick(is_j, chosen[j], mine)
+            mine_s = pick(is_j, bits(chosen_s[j]), mine_s)
+        if lane < top_k:
+            w = from_bits(mine_s)
             if cutlass.const_expr(renorm):
-                w = chosen_s[j] / total
-            st_f32(weights + (Int64(t) * top_k + j) * 4, w)
-            st_s32(ids + (Int64(t) * top_k + j) * 4, chosen[j])
+                w = w / total
+            st_f32(weights + (Int64(t) * top_k + lane) * 4, w)
+            st_s32(ids + (Int64(t) * top_k + lane) * 4, mine)
 
 
 @cute.kernel
 def router_kernel(
-    x: Int64, w: Int64, logits: Int64, bias: Int64, weights: Int64, ids: Int64, counter: Int64,
-    tokens: Int32, hidden: cutlass.Constexpr, experts: cutlass.Constexpr,
+    x: Int64, w: Int64, logits: Int64, scored: Int64, bias: Int64, weights: Int64, ids: Int64,
+    counter: Int64, tokens: Int32, hidden: cutlass.Constexpr, experts: cutlass.Constexpr,
     n_tiles: cutlass.Constexpr, warps: cutlass.Constexpr, cluster: cutlass.Constexpr,
     fp32_weight: cutlass.Constexpr, chains: cutlass.Constexpr, pdl: cutlass.Constexpr,
     route: cutlass.Constexpr, n_group: cutlass.Constexpr, topk_group: cutlass.Constexpr,
@@ -362,7 +412,8 @@ def router_kernel(
     """Logits of 16 experts (block x) over a 1/`cluster` share of K (the cluster's rank);
     each warp takes 1/`warps` of that share, 32 of K a step. Partials meet in the cluster's
     shared memory, summed in a fixed order. With `route`, the cluster of the last CTA to
-    finish routes every token (one warp a token).
+    finish routes every token (one warp a token). The CTAs that sum a routed launch's
+    logits also score them into `scored` (see `route_token`).
 
     With `few` (at most one token a warp of a CTA) the last CTA routes them with its own
     warps: its cluster's second barrier then only keeps shared memory alive for the peers'
@@ -373,7 +424,8 @@ def router_kernel(
     (each warp stores its own partial), 2 the barriers' memory ordering, 3 the routing
     (the arrival and the flags kept), 4 the early release of the next PDL launch, 5 the
     last CTA's own routing with `few` (the cluster flagged through a second full
-    barrier, as for more tokens) (4 and 5: results right, they time what a step gains)."""
+    barrier, as for more tokens), 6 and 7 the routing's former forms (see `route_token`)
+    (4-7: results right, they time what a step gains)."""
     tile, _, _ = cute.arch.block_idx()
     tid, _, _ = cute.arch.thread_idx()
     warp = tid // 32
@@ -465,6 +517,12 @@ def router_kernel(
                 st_shared(part + ((warp * cols + tok) * 16 + e) * 4, v[i])
     if cutlass.const_expr(probe == 1):
         return
+    scores_here = route and probe != 6 and probe != 7
+    b = Float32(0.0)
+    if cutlass.const_expr(scores_here):
+        # The bias of this thread's expert in the sums below (share_out and the stride are
+        # whole tiles of 16): loaded before the barrier, so it is in by the sums' end.
+        b = ld_l2(bias + (tile * 16 + tid % 16) * 4)
     if cutlass.const_expr(route):  # noqa: SIM102 (a static if around a dynamic one)
         if tid == 0:
             st_shared_s32(flag, 0)  # before the barrier: the last CTA may set it after
@@ -475,12 +533,18 @@ def router_kernel(
     for o in cutlass.range(tid, share_out, warps * 32):
         at = rank * share_out + o
         tok = at // 16
+        expert = tile * 16 + at % 16
         total = Float32(0.0)
         for q in cutlass.range_constexpr(cluster):
             for wp in cutlass.range_constexpr(warps):
                 total = total + ld_peer(part + ((wp * cols) * 16 + at) * 4, q)
         if tok < tokens:
-            st_f32(logits + (Int64(tok) * experts + tile * 16 + at % 16) * 4, total)
+            st_f32(logits + (Int64(tok) * experts + expert) * 4, total)
+            if cutlass.const_expr(scores_here):
+                s = sigmoid(total)
+                at_s = scored + (Int64(tok) * experts + expert) * 8
+                st_s32(at_s, key_of(bits(s + b)))
+                st_s32(at_s + 4, bits(s))
     # With few tokens the last CTA routes alone: no flags for its peers, and the barrier that
     # keeps this CTA's partials readable until its peers are done is relaxed, waited at exit.
     local = route and few and probe != 5
@@ -508,16 +572,16 @@ def router_kernel(
             fence_gpu()
             first, stride = (warp, warps) if local else (rank * warps + warp, cluster * warps)
             for t in cutlass.range(first, tokens, stride):
-                route_token(logits, bias, weights, ids, t, lane, experts, n_group,
-                            topk_group, top_k, renorm)  # fmt: skip
+                route_token(logits, scored, bias, weights, ids, t, lane, experts, n_group,
+                            topk_group, top_k, renorm, probe)  # fmt: skip
     if cutlass.const_expr(local or not route):
         cluster_wait()
 
 
 @cute.jit
 def router_host(
-    x: Int64, w: Int64, logits: Int64, bias: Int64, weights: Int64, ids: Int64, counter: Int64,
-    tokens: Int32, stream, hidden: cutlass.Constexpr, experts: cutlass.Constexpr,
+    x: Int64, w: Int64, logits: Int64, scored: Int64, bias: Int64, weights: Int64, ids: Int64,
+    counter: Int64, tokens: Int32, stream, hidden: cutlass.Constexpr, experts: cutlass.Constexpr,
     n_tiles: cutlass.Constexpr, warps: cutlass.Constexpr, cluster: cutlass.Constexpr,
     fp32_weight: cutlass.Constexpr, chains: cutlass.Constexpr, pdl: cutlass.Constexpr,
     route: cutlass.Constexpr, n_group: cutlass.Constexpr, topk_group: cutlass.Constexpr,
@@ -525,7 +589,7 @@ def router_host(
     probe: cutlass.Constexpr,
 ):  # fmt: skip
     router_kernel(
-        x, w, logits, bias, weights, ids, counter, tokens, hidden, experts, n_tiles, warps,
+        x, w, logits, scored, bias, weights, ids, counter, tokens, hidden, experts, n_tiles, warps,
         cluster, fp32_weight, chains, pdl, route, n_group, topk_group, top_k, renorm, few, probe,
     ).launch(
         grid=[experts // 16, cluster, 1], block=[32 * warps, 1, 1], cluster=[1, cluster, 1],

@@ -5,11 +5,13 @@ provider's refusals (device, shapes, token count, routing layouts) with their re
 GPU (`-m gpu`, an H200 with nvidia-cutlass-dsl): logits within 1e-5 of fp64 and routing
 equal to the reference but for near-ties (the checks of `test_router_kernels.py`), every
 output written, bitwise repeatable, exact ties, CUDA graph replay, the counter left at
-zero, and dispatch through `beamfx.ops`.
+zero, dispatch through `beamfx.ops`, and the same routing bits whichever CTA scores the
+logits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -79,8 +81,8 @@ def test_routing_layouts(args, expected):
 
 @pytest.mark.parametrize(
     "tokens, gemm, routed",
-    [(1, False, False), (3, False, False), (4, False, True), (7, False, True), (8, True, True),
-     (32, True, True), (33, True, False), (64, True, False), (65, False, False)],
+    [(1, False, True), (3, False, True), (4, False, True), (7, False, True), (8, True, True),
+     (32, True, True), (33, True, True), (64, True, True), (65, False, False)],
 )  # fmt: skip
 def test_token_ranges_where_the_kernel_serves(tokens, gemm, routed, monkeypatch):
     monkeypatch.setattr(rc, "why_not_device", lambda device: None)  # as on a Hopper GPU
@@ -181,6 +183,19 @@ def test_gpu_routing_beam_shape(tokens, renormalize):
 
 
 @gpu
+@pytest.mark.parametrize("tokens", [1, 4, 5, 16, 33])
+def test_gpu_scored_by_the_summing_ctas_same_bits(tokens):
+    # The routing warp starts from the keys and sigmoids that the CTAs summing the logits
+    # wrote (the default), or scores the logits itself (`probe` 7): the same operations on
+    # the same values, so the same bits, on the few-token path and the cluster's.
+    x, w, bias = make_router(tokens, 5120, 256, torch.float32, "cuda", seed=40 + tokens)
+    cfg = rc.pick_config(5120, tokens)
+    scored = rc.routed_topk(x, w, bias, *BEAM, True, config=cfg)
+    by_warp = rc.routed_topk(x, w, bias, *BEAM, True, config=dataclasses.replace(cfg, probe=7))
+    assert torch.equal(scored[1], by_warp[1]) and torch.equal(scored[0], by_warp[0])
+
+
+@gpu
 @pytest.mark.parametrize(
     "hidden, experts, routing",
     [(2048, 64, (6, 1, 1)), (2048, 128, (4, 4, 2)), (256, 32, (4, 4, 2)), (7168, 256, (8, 8, 4)),
@@ -242,5 +257,5 @@ def test_gpu_ops_dispatch_to_cutedsl():
     x, w, bias = make_router(65, 5120, 256, torch.float32, "cuda", seed=8)
     ops.routed_topk(x, w, bias, *BEAM, True)
     assert ops.ROUTED_TOPK.last_provider == "triton"
-    reason = "serves 4 to 32 tokens (Triton is faster outside), got 65"
+    reason = "serves 1 to 64 tokens (Triton is faster outside), got 65"
     assert ops.ROUTED_TOPK.last_declined["cutedsl"] == reason
