@@ -42,8 +42,8 @@ MAX_TOKENS = 64  # 8 MMA column tiles of 8 tokens
 # Where the Triton kernels are faster on an H200 (bench/NOTES.md, router runs 11, 13, 14):
 # logits below 8 tokens (the whole-row kernel, 3.55 against 3.86 us at 4; at 8 this
 # kernel, 3.89 against 4.53). Logits + routing: this kernel at every count it serves since
-# the summing CTAs score the logits (router run 17: 5.59 us at 1 token against 6.82 for
-# Triton's two kernels, 10.70 against 12.11 at 64).
+# the summing CTAs score the logits (router run 17: 5.59 us at 1 token and 10.70 at 64;
+# Triton's two kernels 6.82 and 12.11 in run 14's table, not the same run).
 LOGITS_MIN_TOKENS = 8
 ROUTED_MIN_TOKENS = 1
 ROUTED_MAX_TOKENS = MAX_TOKENS

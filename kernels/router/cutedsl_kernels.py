@@ -296,27 +296,20 @@ def route_token(
     A warp's routing is a chain of dependent steps (~2 us a token on an H200), so what
     can leave it does: the CTAs that sum the logits also score them (`scored`: each
     expert's biased key and sigmoid, [token][expert][2]), so the warp starts from the keys;
-    one division a lane for the weights rather than top_k in series. `probe` (benchmarks
-    only) keeps a former form: 7 the warp scores the logits itself (every exp before the
-    first division: an IEEE division is a branch in SASS, which the scheduler does not
-    move work across), 6 as 7 with each exp just before its division and the weights
-    divided in series. The same operations on the same values: the same bits."""
+    one division a lane for the weights rather than top_k in series. `probe` 7 (benchmarks
+    and the same-bits test) keeps the former form: the warp scores the logits itself (every
+    exp before the first division: an IEEE division is a branch in SASS, which the
+    scheduler does not move work across). The same operations on the same values: the
+    same bits."""
     per = experts // 32
     lanes_per_group = 32 // n_group
-    if cutlass.const_expr(probe == 6 or probe == 7):
+    if cutlass.const_expr(probe == 7):
         idx = [lane * per + i for i in range(per)]
         bias_v = [ld_l2(bias + (lane * per + i) * 4) for i in range(per)]
         vals = ld_row(logits + (Int64(t) * experts + lane * per) * 4, per)
-        if cutlass.const_expr(probe == 6):
-            s_v = []
-            keys = []
-            for i in cutlass.range_constexpr(per):
-                s_v.append(sigmoid(vals[i]))
-                keys.append(key_of(bits(s_v[i] + bias_v[i])))
-        else:
-            denominators = [Float32(1.0) + cute.math.exp(-vals[i]) for i in range(per)]
-            s_v = [Float32(1.0) / denominators[i] for i in range(per)]
-            keys = [key_of(bits(s_v[i] + bias_v[i])) for i in range(per)]
+        denominators = [Float32(1.0) + cute.math.exp(-vals[i]) for i in range(per)]
+        s_v = [Float32(1.0) / denominators[i] for i in range(per)]
+        keys = [key_of(bits(s_v[i] + bias_v[i])) for i in range(per)]
         sc = [bits(s_v[i]) for i in range(per)]
     else:
         pairs = ld_row(scored + (Int64(t) * experts + lane * per) * 8, 2 * per)
@@ -374,29 +367,20 @@ def route_token(
         total = chosen_s[0]
         for j in cutlass.range_constexpr(1, top_k):
             total = total + chosen_s[j]
-    if cutlass.const_expr(probe == 6):
-        for j in cutlass.range_constexpr(top_k):
-            if lane == j:
-                w = chosen_s[j]
-                if cutlass.const_expr(renorm):
-                    w = chosen_s[j] / total
-                st_f32(weights + (Int64(t) * top_k + j) * 4, w)
-                st_s32(ids + (Int64(t) * top_k + j) * 4, chosen[j])
-    else:
-        mine = chosen[0]
-        mine_s = bits(chosen_s[0])
-        for j in cutlass.range_constexpr(1, top_k):
-            is_j = Int32(0)
-            if lane == j:
-                is_j = Int32(1)
-            mine = pick(is_j, chosen[j], mine)
-            mine_s = pick(is_j, bits(chosen_s[j]), mine_s)
-        if lane < top_k:
-            w = from_bits(mine_s)
-            if cutlass.const_expr(renorm):
-                w = w / total
-            st_f32(weights + (Int64(t) * top_k + lane) * 4, w)
-            st_s32(ids + (Int64(t) * top_k + lane) * 4, mine)
+    mine = chosen[0]
+    mine_s = bits(chosen_s[0])
+    for j in cutlass.range_constexpr(1, top_k):
+        is_j = Int32(0)
+        if lane == j:
+            is_j = Int32(1)
+        mine = pick(is_j, chosen[j], mine)
+        mine_s = pick(is_j, bits(chosen_s[j]), mine_s)
+    if lane < top_k:
+        w = from_bits(mine_s)
+        if cutlass.const_expr(renorm):
+            w = w / total
+        st_f32(weights + (Int64(t) * top_k + lane) * 4, w)
+        st_s32(ids + (Int64(t) * top_k + lane) * 4, mine)
 
 
 @cute.kernel
@@ -424,8 +408,9 @@ def router_kernel(
     (each warp stores its own partial), 2 the barriers' memory ordering, 3 the routing
     (the arrival and the flags kept), 4 the early release of the next PDL launch, 5 the
     last CTA's own routing with `few` (the cluster flagged through a second full
-    barrier, as for more tokens), 6 and 7 the routing's former forms (see `route_token`)
-    (4-7: results right, they time what a step gains)."""
+    barrier, as for more tokens), 7 the routing's former form (see `route_token`) (4, 5
+    and 7: results right, they time what a step gains; 6, router run 17's earlier form, is
+    gone)."""
     tile, _, _ = cute.arch.block_idx()
     tid, _, _ = cute.arch.thread_idx()
     warp = tid // 32
@@ -517,7 +502,7 @@ def router_kernel(
                 st_shared(part + ((warp * cols + tok) * 16 + e) * 4, v[i])
     if cutlass.const_expr(probe == 1):
         return
-    scores_here = route and probe != 6 and probe != 7
+    scores_here = route and probe != 7
     b = Float32(0.0)
     if cutlass.const_expr(scores_here):
         # The bias of this thread's expert in the sums below (share_out and the stride are
