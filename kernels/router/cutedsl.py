@@ -68,15 +68,25 @@ class Config:
     probe: int = 0  # benchmarks: a stage left out to time it (`router_kernel`)
 
 
-def pick_config(hidden: int, tokens: int = 1) -> Config | None:
+# Accumulator chains a launch takes: (most tokens, chains), the first entry that holds the
+# call's count, for the logits alone and for the routed launch. From router run 17's H200
+# sweep (`router_prescored_sweep.json`): the logits take 4 up to 32 tokens (4.66 against
+# 5.02 us at 32; 2 at 64, 6.56 against 6.85), the routed launch 2 (6.85 against 8.15 us at
+# 32, 10.70 against 11.40 at 64, 0.1-0.16 us off at 4 and 16, equal at 1 and 8).
+CHAINS_LOGITS = ((32, 4), (MAX_TOKENS, 2))
+CHAINS_ROUTED = ((MAX_TOKENS, 2),)
+
+
+def pick_config(hidden: int, tokens: int = 1, routed: bool = False) -> Config | None:
     """The widest cluster (8, the portable limit) and fewest warps whose K slices are
-    whole 32-wide steps, at most MAX_STEPS a warp; None if no split fits. Four accumulator
-    chains up to 16 tokens (4.51 against 4.64 us at a token, router run 11)."""
+    whole 32-wide steps, at most MAX_STEPS a warp; None if no split fits. The accumulator
+    chains by token count, from `CHAINS_LOGITS` or `CHAINS_ROUTED`."""
+    table = CHAINS_ROUTED if routed else CHAINS_LOGITS
+    chains = next((c for most, c in table if tokens <= most), table[-1][1])
     for cluster in (8, 4, 2, 1):
         for warps in (4, 8, 2, 1, 6, 5, 3, 7):
             share = hidden // (cluster * warps) if hidden % (cluster * warps) == 0 else 0
             if share and share % 32 == 0 and share // 32 <= MAX_STEPS:
-                chains = 4 if tokens <= 16 else 2  # shorter MMA chains where registers allow
                 return Config(cluster=cluster, warps=warps, chains=chains, pdl=PDL)
     return None
 
@@ -174,7 +184,7 @@ def _counter(device: torch.device) -> torch.Tensor:
 def _launch(x2d, weight, logits, route=None, config: Config | None = None):
     tokens, hidden = x2d.shape
     experts = weight.shape[0]
-    cfg = config or pick_config(hidden, tokens)
+    cfg = config or pick_config(hidden, tokens, route is not None)
     share, rest = divmod(hidden, cfg.cluster * cfg.warps)
     if rest or share % 32 or cfg.cluster not in (1, 2, 4, 8):
         raise ValueError(

@@ -51,6 +51,20 @@ def test_pick_config_splits_k_into_whole_steps(hidden, expected):
         assert share % 32 == 0 and share // 32 <= rc.MAX_STEPS
 
 
+@pytest.mark.parametrize("table", ["CHAINS_LOGITS", "CHAINS_ROUTED"])
+def test_chains_tables_cover_every_count(table):
+    # (most tokens, chains) entries in rising order, the last at MAX_TOKENS: every count the
+    # kernel serves takes an entry, and pick_config returns that entry's chains.
+    entries = getattr(rc, table)
+    bounds = [most for most, _ in entries]
+    assert bounds == sorted(set(bounds)) and bounds[-1] == rc.MAX_TOKENS
+    assert all(chains in (2, 4) for _, chains in entries)
+    routed = table == "CHAINS_ROUTED"
+    for tokens in range(1, rc.MAX_TOKENS + 1):
+        want = next(chains for most, chains in entries if tokens <= most)
+        assert rc.pick_config(5120, tokens, routed).chains == want, tokens
+
+
 def test_launch_refuses_a_config_off_the_steps():
     x, w, _ = make_router(2, 5120, 256, torch.float32, "cpu", seed=0)
     with pytest.raises(ValueError, match=r"Config\(cluster=8, warps=8.*hidden 5120"):
@@ -189,7 +203,7 @@ def test_gpu_scored_by_the_summing_ctas_same_bits(tokens):
     # wrote (the default), or scores the logits itself (`probe` 7): the same operations on
     # the same values, so the same bits, on the few-token path and the cluster's.
     x, w, bias = make_router(tokens, 5120, 256, torch.float32, "cuda", seed=40 + tokens)
-    cfg = rc.pick_config(5120, tokens)
+    cfg = rc.pick_config(5120, tokens, routed=True)
     scored = rc.routed_topk(x, w, bias, *BEAM, True, config=cfg)
     by_warp = rc.routed_topk(x, w, bias, *BEAM, True, config=dataclasses.replace(cfg, probe=7))
     assert torch.equal(scored[1], by_warp[1]) and torch.equal(scored[0], by_warp[0])
