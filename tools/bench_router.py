@@ -85,10 +85,11 @@ def cute_routing(x, w, bias, config=None):
 CUTEDSL_SWEEP_TOKENS = (1, 4, 8, 16, 32, 64)
 CUTEDSL_SWEEP = [  # cluster, warps, chains, PDL; probe: a stage left out, to time it
     # (router runs 11-12 also swept Config(4, 8, 4, True) and probes 1 and 3, run 14 probe 4,
-    # run 15 probe 5, run 17 probe 6, the routing before run 16)
+    # run 15 probe 5, run 17 probes 6 and 7; run 18's tie in bench/experiments)
     rc.Config(8, 4, 4, True),
     rc.Config(8, 4, 2, True),
-    rc.Config(8, 4, 4, True, probe=7),
+    rc.Config(8, 4, 4, True, probe=9),
+    rc.Config(8, 4, 2, True, probe=9),
 ]
 
 

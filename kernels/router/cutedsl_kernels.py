@@ -408,9 +408,10 @@ def router_kernel(
     (each warp stores its own partial), 2 the barriers' memory ordering, 3 the routing
     (the arrival and the flags kept), 4 the early release of the next PDL launch, 5 the
     last CTA's own routing with `few` (the cluster flagged through a second full
-    barrier, as for more tokens), 7 the routing's former form (see `route_token`) (4, 5
-    and 7: results right, they time what a step gains; 6, router run 17's earlier form, is
-    gone)."""
+    barrier, as for more tokens), 7 the routing's former form (see `route_token`), 9 a
+    fence in every thread before the arrival and before the routing's reads, as before
+    router run 19 (4, 5, 7 and 9: results right, they time what a step gains; 6, router
+    run 17's earlier form, is gone)."""
     tile, _, _ = cute.arch.block_idx()
     tid, _, _ = cute.arch.thread_idx()
     warp = tid // 32
@@ -535,8 +536,14 @@ def router_kernel(
     local = route and few and probe != 5
     if cutlass.const_expr(route):
         # Each CTA counts its arrival once its logits are out; the last of the launch sees
-        # every logit, and routes them (few tokens) or flags its cluster to (more).
-        fence_gpu()
+        # every logit, and routes them (few tokens) or flags its cluster to (more). The
+        # ordering is cooperative groups' grid sync: the CTA barrier orders every thread's
+        # stores before thread 0's arrival, whose release (acq_rel, GPU scope) makes them
+        # visible to the CTA whose arrival acquires it; that CTA's barrier (or its cluster's,
+        # release/acquire) orders its threads' reads after. No fence in every thread (`probe`
+        # 9 keeps them: 0.7-1.0 us a routed call at 1-16 tokens, router run 19).
+        if cutlass.const_expr(probe == 9):
+            fence_gpu()
         cute.arch.sync_threads()
         if tid == 0:  # noqa: SIM102 (the arrival only in thread 0)
             if arrive(counter) == experts // 16 * cluster - 1:
@@ -554,7 +561,8 @@ def router_kernel(
         if cutlass.const_expr(local):
             cute.arch.sync_threads()  # the flag, set by this CTA's thread 0
         if ld_shared_s32(flag) != 0:
-            fence_gpu()
+            if cutlass.const_expr(probe == 9):
+                fence_gpu()
             first, stride = (warp, warps) if local else (rank * warps + warp, cluster * warps)
             for t in cutlass.range(first, tokens, stride):
                 route_token(logits, scored, bias, weights, ids, t, lane, experts, n_group,

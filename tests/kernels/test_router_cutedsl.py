@@ -197,16 +197,27 @@ def test_gpu_routing_beam_shape(tokens, renormalize):
 
 
 @gpu
-@pytest.mark.parametrize("tokens", [1, 4, 5, 16, 33])
-def test_gpu_scored_by_the_summing_ctas_same_bits(tokens):
+@pytest.mark.parametrize("probe", [7, 9])
+@pytest.mark.parametrize("tokens", [1, 4, 5, 16, 33, 64])
+def test_gpu_same_bits_as_the_former_forms(tokens, probe):
     # The routing warp starts from the keys and sigmoids that the CTAs summing the logits
-    # wrote (the default), or scores the logits itself (`probe` 7): the same operations on
-    # the same values, so the same bits, on the few-token path and the cluster's.
-    x, w, bias = make_router(tokens, 5120, 256, torch.float32, "cuda", seed=40 + tokens)
+    # wrote (the default), or scores the logits itself (`probe` 7); the arrival is ordered
+    # by thread 0's release and acquire and the CTA barriers (the default), or by a fence in
+    # every thread as well (`probe` 9). The same operations on the same values, so the
+    # same bits, on the few-token path and the cluster's. Launches alternate between two
+    # inputs, so a read ordered before another CTA's store would find the other input's
+    # scores (the allocator hands the same buffers back) and give other bits.
     cfg = rc.pick_config(5120, tokens, routed=True)
-    scored = rc.routed_topk(x, w, bias, *BEAM, True, config=cfg)
-    by_warp = rc.routed_topk(x, w, bias, *BEAM, True, config=dataclasses.replace(cfg, probe=7))
-    assert torch.equal(scored[1], by_warp[1]) and torch.equal(scored[0], by_warp[0])
+    former_cfg = dataclasses.replace(cfg, probe=probe)
+    cases = []
+    for seed in (40 + tokens, 140 + tokens):
+        x, w, bias = make_router(tokens, 5120, 256, torch.float32, "cuda", seed=seed)
+        cases.append(((x, w, bias), rc.routed_topk(x, w, bias, *BEAM, True, config=former_cfg)))
+    assert not torch.equal(cases[0][1][0], cases[1][1][0])
+    for _ in range(10):
+        for (x, w, bias), former in cases:
+            scored = rc.routed_topk(x, w, bias, *BEAM, True, config=cfg)
+            assert torch.equal(scored[1], former[1]) and torch.equal(scored[0], former[0])
 
 
 @gpu
