@@ -59,35 +59,51 @@ def _cute():
 class Config:
     """CTAs a cluster (K split across them), warps a CTA (K split again), accumulator
     chains for the fp32 weight's pieces (2: hi apart from mid + lo; 4: and the two halves
-    of each 32-wide step apart)."""
+    of each 32-wide step apart), and the form of the cluster's exchange of partials: 0 each
+    CTA pulls the partials it sums from its peers' shared memory after a cluster barrier
+    (release, acquire); 1 each warp pushes them into the shared memory of the CTA that sums
+    them (`st.async`, counted on that CTA's mbarrier); 2 pushed, and no cluster barrier at
+    exit where no CTA reads a peer's shared memory. All three sum in the same order: the
+    same bits."""
 
     cluster: int = 8
     warps: int = 4
     chains: int = 2
     pdl: bool = True
     probe: int = 0  # benchmarks: a stage left out to time it (`router_kernel`)
+    exchange: int = 2
 
 
 # Accumulator chains a launch takes: (most tokens, chains), the first entry that holds the
-# call's count, for the logits alone and for the routed launch. From router run 17's H200
-# sweep (`router_prescored_sweep.json`): the logits take 4 up to 32 tokens (4.66 against
-# 5.02 us at 32; 2 at 64, 6.56 against 6.85), the routed launch 2 (6.85 against 8.15 us at
-# 32, 10.70 against 11.40 at 64, 0.1-0.16 us off at 4 and 16, equal at 1 and 8).
-CHAINS_LOGITS = ((32, 4), (MAX_TOKENS, 2))
+# call's count, for the logits alone and for the routed launch; and the exchange's form
+# (`Config.exchange`), for both. From router run 20's two H100 sweeps
+# (`router_exchange_sweep_h100*.json`, us, within 0.04 of each other): pushed without the
+# exit barrier, the logits take 0.38-0.70 us less at 1-16 tokens (2.94 / 3.34 at 1 / 16)
+# and routed calls 0.25-0.70 less (5.00 / 5.72); at 32 tokens the logits with two chains
+# 4.81-4.85 against 5.23 pulled with four; at 64 the pulled form wins (7.03 / 10.70
+# against 7.93 / 11.63: 32 sends a thread, each behind a branch). Chains as in router run
+# 17's H200 sweep otherwise (routed 2 everywhere; logits 2 at 64).
+CHAINS_LOGITS = ((16, 4), (MAX_TOKENS, 2))
 CHAINS_ROUTED = ((MAX_TOKENS, 2),)
+EXCHANGE_FORMS = ((32, 2), (MAX_TOKENS, 0))
+
+
+def _by_tokens(table, tokens: int) -> int:
+    return next((v for most, v in table if tokens <= most), table[-1][1])
 
 
 def pick_config(hidden: int, tokens: int = 1, routed: bool = False) -> Config | None:
     """The widest cluster (8, the portable limit) and fewest warps whose K slices are
     whole 32-wide steps, at most MAX_STEPS a warp; None if no split fits. The accumulator
-    chains by token count, from `CHAINS_LOGITS` or `CHAINS_ROUTED`."""
-    table = CHAINS_ROUTED if routed else CHAINS_LOGITS
-    chains = next((c for most, c in table if tokens <= most), table[-1][1])
+    chains by token count, from `CHAINS_LOGITS` or `CHAINS_ROUTED`, and the exchange's form
+    from `EXCHANGE_FORMS`."""
+    chains = _by_tokens(CHAINS_ROUTED if routed else CHAINS_LOGITS, tokens)
+    exchange = _by_tokens(EXCHANGE_FORMS, tokens)
     for cluster in (8, 4, 2, 1):
         for warps in (4, 8, 2, 1, 6, 5, 3, 7):
             share = hidden // (cluster * warps) if hidden % (cluster * warps) == 0 else 0
             if share and share % 32 == 0 and share // 32 <= MAX_STEPS:
-                return Config(cluster=cluster, warps=warps, chains=chains, pdl=PDL)
+                return Config(cluster, warps, chains, PDL, exchange=exchange)
     return None
 
 
@@ -161,7 +177,7 @@ def compiled(hidden, experts, n_tiles, cfg: Config, fp32_weight, route, n_group,
     return k.cute.compile(
         k.router_host, *[z64] * 8, k.Int32(1), stream, hidden, experts, n_tiles,
         cfg.warps, cfg.cluster, fp32_weight, cfg.chains, cfg.pdl, route, n_group, topk_group,
-        top_k, renorm, few, cfg.probe,
+        top_k, renorm, few, cfg.probe, cfg.exchange,
     )  # fmt: skip
 
 
@@ -190,6 +206,11 @@ def _launch(x2d, weight, logits, route=None, config: Config | None = None):
         raise ValueError(
             f"router (cutedsl): {cfg} does not split hidden {hidden} into 32-wide K steps "
             "over a cluster of 1, 2, 4 or 8; use pick_config(hidden)"
+        )
+    if cfg.exchange not in (0, 1, 2):
+        raise ValueError(
+            f"router (cutedsl): Config.exchange is {cfg.exchange!r}; it must be 0 (pulled), "
+            "1 (pushed) or 2 (pushed, no exit barrier)"
         )
     x2d = x2d.contiguous()
     if x2d.data_ptr() % 16:  # activations are read 16 bytes at a time

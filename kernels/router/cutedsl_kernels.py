@@ -102,8 +102,50 @@ def st_peer_s32(addr, rank, value, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def st_async_peer(addr, mbar, rank, value, *, loc=None, ip=None):
+    """`value` into the float at `addr` in the shared memory of the cluster's CTA `rank`,
+    counted (4 bytes) on that CTA's mbarrier at `mbar`: no fence, no cluster barrier."""
+    _asm(
+        [], [Int32(addr), Int32(mbar), Int32(rank), Float32(value)],
+        "{ .reg .b32 a, m; mapa.shared::cluster.u32 a, $0, $2; mapa.shared::cluster.u32 m, $1, $2;"
+        " st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [a], $3, [m]; }",
+        "r,r,r,f", True, loc, ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
+def mbar_init(mbar, *, loc=None, ip=None):
+    """One arrival a phase; the init made visible to the cluster's async stores."""
+    _asm([], [Int32(mbar)],
+         "mbarrier.init.shared::cta.b64 [$0], 1; fence.mbarrier_init.release.cluster;", "r",
+         True, loc, ip)  # fmt: skip
+
+
+@dsl_user_op
+def mbar_expect(mbar, nbytes, *, loc=None, ip=None):
+    ptx = "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;"
+    _asm([], [Int32(mbar), Int32(nbytes)], ptx, "r,r", True, loc, ip)
+
+
+@dsl_user_op
+def mbar_wait(mbar, *, loc=None, ip=None):
+    """Wait for the first phase of the mbarrier at `mbar` (its bytes all in)."""
+    _asm(
+        [], [Int32(mbar)],
+        "{ .reg .pred p; WAIT: mbarrier.try_wait.parity.shared::cta.b64 p, [$0], 0;"
+        " @!p bra WAIT; }",
+        "r", True, loc, ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
 def st_shared_s32(addr, value, *, loc=None, ip=None):
     _asm([], [Int32(addr), Int32(value)], "st.shared.u32 [$0], $1;", "r,r", True, loc, ip)
+
+
+@dsl_user_op
+def ld_shared_f32(addr, *, loc=None, ip=None):
+    return _asm([Float32], [Int32(addr)], "ld.shared.f32 $0, [$1];", "=f,r", True, loc, ip)[0]
 
 
 @dsl_user_op
@@ -391,7 +433,7 @@ def router_kernel(
     fp32_weight: cutlass.Constexpr, chains: cutlass.Constexpr, pdl: cutlass.Constexpr,
     route: cutlass.Constexpr, n_group: cutlass.Constexpr, topk_group: cutlass.Constexpr,
     top_k: cutlass.Constexpr, renorm: cutlass.Constexpr, few: cutlass.Constexpr,
-    probe: cutlass.Constexpr,
+    probe: cutlass.Constexpr, exchange_form: cutlass.Constexpr,
 ):  # fmt: skip
     """Logits of 16 experts (block x) over a 1/`cluster` share of K (the cluster's rank);
     each warp takes 1/`warps` of that share, 32 of K a step. Partials meet in the cluster's
@@ -411,7 +453,8 @@ def router_kernel(
     barrier, as for more tokens), 7 the routing's former form (see `route_token`), 9 a
     fence in every thread before the arrival and before the routing's reads, as before
     router run 19 (4, 5, 7 and 9: results right, they time what a step gains; 6, router
-    run 17's earlier form, is gone)."""
+    run 17's earlier form, is gone; 10-12, router run 20's exchange forms, are
+    `exchange_form` now)."""
     tile, _, _ = cute.arch.block_idx()
     tid, _, _ = cute.arch.thread_idx()
     warp = tid // 32
@@ -434,6 +477,22 @@ def router_kernel(
         else:
             wr.append(ld_v4_early(row0 + s * 64))
             wr.append(ld_v4_early(row8 + s * 64))
+    # Partials [warp][token][expert] in shared memory (or with `push`, the partials this CTA
+    # sums, [rank][warp][output], sent by their CTAs); then a flag word and an mbarrier.
+    cols = n_tiles * 8
+    share_out = cols * 16 // cluster  # outputs a CTA sums
+    part = cute.arch.alloc_smem(Float32, warps * cols * 16 + 4, alignment=16).toint()
+    flag = part + warps * cols * 16 * 4
+    mbar = flag + 8
+    # The exchange's form (`Config.exchange`): 0 pulled, 1 pushed, 2 pushed and no cluster
+    # barrier at exit (nothing reads a peer's shared memory then; where the last CTA flags
+    # its cluster, the barrier after the flags stays).
+    push = exchange_form > 0
+    exit_barrier = exchange_form < 2
+    if cutlass.const_expr(push):
+        if tid == 0:
+            mbar_init(mbar)
+        cluster_arrive_relaxed()  # waited before the first send: the peers' mbarriers are set
 
     # The fp32 weight as MMA A fragments, three bf16 pieces each: (step, half) -> four
     # registers' (hi, mid, lo). (Split before the wait, ptxas moves it after: the SASS.)
@@ -481,12 +540,10 @@ def router_kernel(
                 else:
                     a = (r0[2 * u], r8[2 * u], r0[2 * u + 1], r8[2 * u + 1])
                     acc[j] = list(mma(a, xv[2 * u], xv[2 * u + 1], acc[j]))
-    # Partials [warp][token][expert] in shared memory; C fragment: rows g, g + 8 (experts),
-    # columns 2c, 2c + 1 (tokens).
-    cols = n_tiles * 8
-    part = cute.arch.alloc_smem(Float32, warps * cols * 16 + 4, alignment=16).toint()
-    flag = part + warps * cols * 16 * 4
+    # C fragment: rows g, g + 8 (experts), columns 2c, 2c + 1 (tokens).
     relaxed = probe == 2
+    if cutlass.const_expr(push):
+        cluster_wait()
     for j in cutlass.range_constexpr(n_tiles):
         v = acc[j]
         if cutlass.const_expr(fp32_weight):
@@ -499,6 +556,11 @@ def router_kernel(
             if cutlass.const_expr(probe == 1):
                 if tok < tokens:
                     st_f32(logits + (Int64(tok) * experts + tile * 16 + e) * 4, v[i])
+            elif cutlass.const_expr(push):
+                if tok < tokens:
+                    at = tok * 16 + e
+                    to = ((rank * warps + warp) * share_out + at % share_out) * 4
+                    st_async_peer(part + to, mbar, at // share_out, v[i])
             else:
                 st_shared(part + ((warp * cols + tok) * 16 + e) * 4, v[i])
     if cutlass.const_expr(probe == 1):
@@ -511,19 +573,34 @@ def router_kernel(
         b = ld_l2(bias + (tile * 16 + tid % 16) * 4)
     if cutlass.const_expr(route):  # noqa: SIM102 (a static if around a dynamic one)
         if tid == 0:
-            st_shared_s32(flag, 0)  # before the barrier: the last CTA may set it after
-    cluster_sync(relaxed)
+            # Before this thread's arrival below: its release orders the reset before the
+            # last CTA's flag, which comes after that CTA's acquiring arrival.
+            st_shared_s32(flag, 0)
+    if cutlass.const_expr(push):
+        # Outputs of real tokens only are sent: this CTA waits for those it sums, if any.
+        owned = cutlass.max(cutlass.min(tokens * 16 - rank * share_out, share_out), 0)
+        if owned > 0:
+            if tid == 0:
+                mbar_expect(mbar, owned * cluster * warps * 4)
+            mbar_wait(mbar)
+    else:
+        cluster_sync(relaxed)
     # This CTA's share of the tile's [cols x 16] outputs: the sum over the cluster's CTAs
     # and their warps, in that order.
-    share_out = cols * 16 // cluster
     for o in cutlass.range(tid, share_out, warps * 32):
         at = rank * share_out + o
         tok = at // 16
         expert = tile * 16 + at % 16
         total = Float32(0.0)
-        for q in cutlass.range_constexpr(cluster):
-            for wp in cutlass.range_constexpr(warps):
-                total = total + ld_peer(part + ((wp * cols) * 16 + at) * 4, q)
+        if cutlass.const_expr(push):
+            if tok < tokens:
+                for q in cutlass.range_constexpr(cluster):
+                    for wp in cutlass.range_constexpr(warps):
+                        total = total + ld_shared_f32(part + ((q * warps + wp) * share_out + o) * 4)
+        else:
+            for q in cutlass.range_constexpr(cluster):
+                for wp in cutlass.range_constexpr(warps):
+                    total = total + ld_peer(part + ((wp * cols) * 16 + at) * 4, q)
         if tok < tokens:
             st_f32(logits + (Int64(tok) * experts + expert) * 4, total)
             if cutlass.const_expr(scores_here):
@@ -553,9 +630,9 @@ def router_kernel(
                 else:
                     for q in cutlass.range_constexpr(cluster):
                         st_peer_s32(flag, q, 1)
-    if cutlass.const_expr(local or not route):
+    if cutlass.const_expr((local or not route) and exit_barrier):
         cluster_arrive_relaxed()
-    else:
+    elif cutlass.const_expr(not (local or not route)):
         cluster_sync(relaxed)
     if cutlass.const_expr(route and probe != 3):
         if cutlass.const_expr(local):
@@ -567,7 +644,7 @@ def router_kernel(
             for t in cutlass.range(first, tokens, stride):
                 route_token(logits, scored, bias, weights, ids, t, lane, experts, n_group,
                             topk_group, top_k, renorm, probe)  # fmt: skip
-    if cutlass.const_expr(local or not route):
+    if cutlass.const_expr((local or not route) and exit_barrier):
         cluster_wait()
 
 
@@ -579,11 +656,12 @@ def router_host(
     fp32_weight: cutlass.Constexpr, chains: cutlass.Constexpr, pdl: cutlass.Constexpr,
     route: cutlass.Constexpr, n_group: cutlass.Constexpr, topk_group: cutlass.Constexpr,
     top_k: cutlass.Constexpr, renorm: cutlass.Constexpr, few: cutlass.Constexpr,
-    probe: cutlass.Constexpr,
+    probe: cutlass.Constexpr, exchange_form: cutlass.Constexpr,
 ):  # fmt: skip
     router_kernel(
         x, w, logits, scored, bias, weights, ids, counter, tokens, hidden, experts, n_tiles, warps,
         cluster, fp32_weight, chains, pdl, route, n_group, topk_group, top_k, renorm, few, probe,
+        exchange_form,
     ).launch(
         grid=[experts // 16, cluster, 1], block=[32 * warps, 1, 1], cluster=[1, cluster, 1],
         stream=stream, use_pdl=pdl,

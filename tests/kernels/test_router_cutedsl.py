@@ -51,18 +51,28 @@ def test_pick_config_splits_k_into_whole_steps(hidden, expected):
         assert share % 32 == 0 and share // 32 <= rc.MAX_STEPS
 
 
-@pytest.mark.parametrize("table", ["CHAINS_LOGITS", "CHAINS_ROUTED"])
-def test_chains_tables_cover_every_count(table):
-    # (most tokens, chains) entries in rising order, the last at MAX_TOKENS: every count the
-    # kernel serves takes an entry, and pick_config returns that entry's chains.
+@pytest.mark.parametrize(
+    "table, field, allowed",
+    [("CHAINS_LOGITS", "chains", (2, 4)), ("CHAINS_ROUTED", "chains", (2, 4)),
+     ("EXCHANGE_FORMS", "exchange", (0, 1, 2))],
+)  # fmt: skip
+def test_token_tables_cover_every_count(table, field, allowed):
+    # (most tokens, value) entries in rising order, the last at MAX_TOKENS: every count the
+    # kernel serves takes an entry, and pick_config returns that entry's value.
     entries = getattr(rc, table)
     bounds = [most for most, _ in entries]
     assert bounds == sorted(set(bounds)) and bounds[-1] == rc.MAX_TOKENS
-    assert all(chains in (2, 4) for _, chains in entries)
-    routed = table == "CHAINS_ROUTED"
-    for tokens in range(1, rc.MAX_TOKENS + 1):
-        want = next(chains for most, chains in entries if tokens <= most)
-        assert rc.pick_config(5120, tokens, routed).chains == want, tokens
+    assert all(value in allowed for _, value in entries)
+    for routed in [table == "CHAINS_ROUTED"] if field == "chains" else [False, True]:
+        for tokens in range(1, rc.MAX_TOKENS + 1):
+            want = next(value for most, value in entries if tokens <= most)
+            assert getattr(rc.pick_config(5120, tokens, routed), field) == want, tokens
+
+
+def test_launch_refuses_an_unknown_exchange_form():
+    x, w, _ = make_router(2, 5120, 256, torch.float32, "cpu", seed=0)
+    with pytest.raises(ValueError, match=r"Config.exchange is 3; it must be 0"):
+        rc._launch(x, w, torch.empty(2, 256), config=rc.Config(exchange=3))
 
 
 def test_launch_refuses_a_config_off_the_steps():
@@ -218,6 +228,36 @@ def test_gpu_same_bits_as_the_former_forms(tokens, probe):
         for (x, w, bias), former in cases:
             scored = rc.routed_topk(x, w, bias, *BEAM, True, config=cfg)
             assert torch.equal(scored[1], former[1]) and torch.equal(scored[0], former[0])
+
+
+@gpu
+@pytest.mark.parametrize("form", [1, 2])
+@pytest.mark.parametrize("routed", [False, True])
+@pytest.mark.parametrize("tokens", [1, 3, 4, 8, 9, 16, 32, 33, 64])
+def test_gpu_exchange_forms_same_bits(tokens, routed, form):
+    # The cluster's exchange pulled (`Config.exchange` 0: a cluster barrier, then reads of
+    # the peers' shared memory) or pushed (1, and 2 without the exit barrier: each warp's
+    # partials sent to the CTA that sums them, async stores counted on that CTA's mbarrier):
+    # the same sums in the same order, so the same bits. Launches alternate between two
+    # inputs, so a sum read before its partials landed would show.
+    cfg = dataclasses.replace(rc.pick_config(5120, tokens, routed=routed), exchange=0)
+    pushed = dataclasses.replace(cfg, exchange=form)
+    cases = []
+    for seed in (60 + tokens, 160 + tokens):
+        x, w, bias = make_router(tokens, 5120, 256, torch.float32, "cuda", seed=seed)
+        if routed:
+            want = rc.routed_topk(x, w, bias, *BEAM, True, config=cfg)
+        else:
+            want = (rc.router_gemm(x, w, config=cfg),)
+        cases.append(((x, w, bias), want))
+    assert not torch.equal(cases[0][1][0], cases[1][1][0])
+    for _ in range(10):
+        for (x, w, bias), want in cases:
+            if routed:
+                got = rc.routed_topk(x, w, bias, *BEAM, True, config=pushed)
+            else:
+                got = (rc.router_gemm(x, w, config=pushed),)
+            assert all(torch.equal(g, e) for g, e in zip(got, want, strict=True))
 
 
 @gpu
