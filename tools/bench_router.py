@@ -85,8 +85,8 @@ def cute_routing(x, w, bias, config=None):
 CUTEDSL_SWEEP_TOKENS = (1, 4, 8, 16, 32, 64)
 CUTEDSL_SWEEP = [  # cluster, warps, chains, PDL; probe: a stage left out, to time it
     # (router runs 11-12 also swept Config(4, 8, 4, True) and probes 1 and 3, run 14 probe 4,
-    # run 15 probe 5, run 17 probes 6 and 7, run 20 probe 10 (pushed, with the exit
-    # barrier); run 18's tie in bench/experiments)
+    # run 15 probe 5, run 17 probes 6 and 7, run 20 exchange 1 (pushed, with the
+    # exit barrier); run 18's tie in bench/experiments)
     rc.Config(8, 4, 4, True),
     rc.Config(8, 4, 2, True),
     rc.Config(8, 4, 4, True, exchange=0),

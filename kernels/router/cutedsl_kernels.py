@@ -611,6 +611,10 @@ def router_kernel(
     # With few tokens the last CTA routes alone: no flags for its peers, and the barrier that
     # keeps this CTA's partials readable until its peers are done is relaxed, waited at exit.
     local = route and few and probe != 5
+    # Without the cluster's flags (the logits alone, or the last CTA routing alone), the exit
+    # barrier only keeps this CTA's shared memory alive for its peers' reads: split around
+    # the work below, and left out where nothing reads a peer's (`exit_barrier`).
+    keep_alive = (local or not route) and exit_barrier
     if cutlass.const_expr(route):
         # Each CTA counts its arrival once its logits are out; the last of the launch sees
         # every logit, and routes them (few tokens) or flags its cluster to (more). The
@@ -630,9 +634,9 @@ def router_kernel(
                 else:
                     for q in cutlass.range_constexpr(cluster):
                         st_peer_s32(flag, q, 1)
-    if cutlass.const_expr((local or not route) and exit_barrier):
+    if cutlass.const_expr(keep_alive):
         cluster_arrive_relaxed()
-    elif cutlass.const_expr(not (local or not route)):
+    elif cutlass.const_expr(route and not local):
         cluster_sync(relaxed)
     if cutlass.const_expr(route and probe != 3):
         if cutlass.const_expr(local):
@@ -644,7 +648,7 @@ def router_kernel(
             for t in cutlass.range(first, tokens, stride):
                 route_token(logits, scored, bias, weights, ids, t, lane, experts, n_group,
                             topk_group, top_k, renorm, probe)  # fmt: skip
-    if cutlass.const_expr((local or not route) and exit_barrier):
+    if cutlass.const_expr(keep_alive):
         cluster_wait()
 
 

@@ -206,6 +206,30 @@ def test_gpu_routing_beam_shape(tokens, renormalize):
     assert rc._counter(x.device).item() == 0, "the last cluster resets the arrival counter"
 
 
+def same_bits_over_alternating_inputs(tokens, seed, call, want_cfg, got_cfg):
+    # `call(x, w, bias, config)` (a tuple of outputs) with `got_cfg` gives `want_cfg`'s bits
+    # over launches alternating between two inputs: a read ordered before another CTA's
+    # store would find the other input's values (the allocator hands the same buffers
+    # back) and give other bits.
+    cases = []
+    for s in (seed, seed + 100):
+        x, w, bias = make_router(tokens, 5120, 256, torch.float32, "cuda", seed=s)
+        cases.append(((x, w, bias), call(x, w, bias, want_cfg)))
+    assert not torch.equal(cases[0][1][0], cases[1][1][0])
+    for _ in range(10):
+        for args, want in cases:
+            got = call(*args, got_cfg)
+            assert all(torch.equal(g, e) for g, e in zip(got, want, strict=True))
+
+
+def routed_call(x, w, bias, config):
+    return rc.routed_topk(x, w, bias, *BEAM, True, config=config)
+
+
+def logits_call(x, w, bias, config):
+    return (rc.router_gemm(x, w, config=config),)
+
+
 @gpu
 @pytest.mark.parametrize("probe", [7, 9])
 @pytest.mark.parametrize("tokens", [1, 4, 5, 16, 33, 64])
@@ -214,20 +238,10 @@ def test_gpu_same_bits_as_the_former_forms(tokens, probe):
     # wrote (the default), or scores the logits itself (`probe` 7); the arrival is ordered
     # by thread 0's release and acquire and the CTA barriers (the default), or by a fence in
     # every thread as well (`probe` 9). The same operations on the same values, so the
-    # same bits, on the few-token path and the cluster's. Launches alternate between two
-    # inputs, so a read ordered before another CTA's store would find the other input's
-    # scores (the allocator hands the same buffers back) and give other bits.
+    # same bits, on the few-token path and the cluster's.
     cfg = rc.pick_config(5120, tokens, routed=True)
-    former_cfg = dataclasses.replace(cfg, probe=probe)
-    cases = []
-    for seed in (40 + tokens, 140 + tokens):
-        x, w, bias = make_router(tokens, 5120, 256, torch.float32, "cuda", seed=seed)
-        cases.append(((x, w, bias), rc.routed_topk(x, w, bias, *BEAM, True, config=former_cfg)))
-    assert not torch.equal(cases[0][1][0], cases[1][1][0])
-    for _ in range(10):
-        for (x, w, bias), former in cases:
-            scored = rc.routed_topk(x, w, bias, *BEAM, True, config=cfg)
-            assert torch.equal(scored[1], former[1]) and torch.equal(scored[0], former[0])
+    former = dataclasses.replace(cfg, probe=probe)
+    same_bits_over_alternating_inputs(tokens, 40 + tokens, routed_call, former, cfg)
 
 
 @gpu
@@ -238,26 +252,11 @@ def test_gpu_exchange_forms_same_bits(tokens, routed, form):
     # The cluster's exchange pulled (`Config.exchange` 0: a cluster barrier, then reads of
     # the peers' shared memory) or pushed (1, and 2 without the exit barrier: each warp's
     # partials sent to the CTA that sums them, async stores counted on that CTA's mbarrier):
-    # the same sums in the same order, so the same bits. Launches alternate between two
-    # inputs, so a sum read before its partials landed would show.
+    # the same sums in the same order, so the same bits.
     cfg = dataclasses.replace(rc.pick_config(5120, tokens, routed=routed), exchange=0)
     pushed = dataclasses.replace(cfg, exchange=form)
-    cases = []
-    for seed in (60 + tokens, 160 + tokens):
-        x, w, bias = make_router(tokens, 5120, 256, torch.float32, "cuda", seed=seed)
-        if routed:
-            want = rc.routed_topk(x, w, bias, *BEAM, True, config=cfg)
-        else:
-            want = (rc.router_gemm(x, w, config=cfg),)
-        cases.append(((x, w, bias), want))
-    assert not torch.equal(cases[0][1][0], cases[1][1][0])
-    for _ in range(10):
-        for (x, w, bias), want in cases:
-            if routed:
-                got = rc.routed_topk(x, w, bias, *BEAM, True, config=pushed)
-            else:
-                got = (rc.router_gemm(x, w, config=pushed),)
-            assert all(torch.equal(g, e) for g, e in zip(got, want, strict=True))
+    call = routed_call if routed else logits_call
+    same_bits_over_alternating_inputs(tokens, 60 + tokens, call, cfg, pushed)
 
 
 @gpu
