@@ -17,7 +17,7 @@ eager call); the logits' error against fp64 and the tokens whose experts differ 
 reference.
 
     python tools/bench_router.py [--out DIR] [--sweep] [--cutedsl-sweep] [--broadcast-sweep]
-        [--broadcast-confirm]
+        [--broadcast-confirm] [--crossover]
 """
 
 from __future__ import annotations
@@ -400,6 +400,34 @@ def broadcast_confirm(weights, gen, rounds: int = 5) -> list[dict]:
     return out
 
 
+CROSSOVER_TOKENS = (1, 2, 4, 6, 8, 12, 16)
+
+
+def logits_crossover(weights, gen, rounds: int = 5) -> list[dict]:
+    """Where the provider should hand the logits from Triton's few-token kernel to CuTeDSL's:
+    both forced, and the provider, interleaved over `rounds` rounds (the order rotated each
+    round; each row: the median round and all of them)."""
+    out = []
+    for tokens in CROSSOVER_TOKENS:
+        xs = [torch.randn(tokens, HIDDEN, generator=gen, device="cuda").bfloat16() for _ in weights]
+        sets = list(zip(xs, weights))
+        kernel = rt._gemm_config(tokens)
+        fns = {
+            "provider": lambda x, w: ops.router_gemm(x, w),
+            "triton": lambda x, w, k=kernel: rt.router_gemm(x, w, config=k),
+            "cutedsl": lambda x, w: rc.router_gemm(x, w),
+        }
+        times = {k: [] for k in fns}
+        names = list(fns)
+        for r in range(rounds):
+            for k in names[r % len(names) :] + names[: r % len(names)]:
+                times[k].append(round(time_per_call(fns[k], sets), 3))
+        for k, v in times.items():
+            out.append(dict(tokens=tokens, kernel=k, us=statistics.median(v), rounds=v))
+            print(out[-1], flush=True)
+    return out
+
+
 SPLIT_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -497,6 +525,8 @@ def main() -> None:
                     help="after --split-sweep, run the table with the sweep's winners")  # fmt: skip
     ap.add_argument("--cutedsl-sweep", action="store_true",
                     help="only time the CuTeDSL kernel's configs")  # fmt: skip
+    ap.add_argument("--crossover", action="store_true",
+                    help="only time the few-token logits of Triton and CuTeDSL")  # fmt: skip
     ap.add_argument("--broadcast-sweep", action="store_true",
                     help="only time the whole-row kernel's broadcast tilings")  # fmt: skip
     ap.add_argument("--broadcast-confirm", action="store_true",
@@ -544,6 +574,12 @@ def main() -> None:
                      "weights; five rounds, interleaved")  # fmt: skip
         with open(os.path.join(args.out, "router_broadcast_confirm.json"), "w") as f:
             json.dump(dict(meta=meta, rows=broadcast_confirm(weights, gen)), f, indent=1)
+        return
+    if args.crossover:
+        span = f"{rc.LOGITS_MIN_TOKENS}-{rc.MAX_TOKENS}"
+        meta = sweep_stamp(cutlass_dsl=package_version("nvidia-cutlass-dsl"), cutedsl_logits=span)
+        with open(os.path.join(args.out, "router_logits_crossover.json"), "w") as f:
+            json.dump(dict(meta=meta, rows=logits_crossover(weights, gen)), f, indent=1)
         return
     if args.broadcast_sweep:
         meta = sweep_stamp(cutlass_dsl=package_version("nvidia-cutlass-dsl"))
