@@ -91,6 +91,8 @@ CUTEDSL_SWEEP = [  # cluster, warps, chains, PDL; probe: a stage left out, to ti
     rc.Config(8, 4, 2, True),
     rc.Config(8, 4, 4, True, exchange=0),
     rc.Config(8, 4, 2, True, exchange=0),
+    rc.Config(8, 4, 4, True, exchange=3),
+    rc.Config(8, 4, 2, True, exchange=3),
     rc.Config(8, 4, 4, True, probe=9),
     rc.Config(8, 4, 2, True, probe=9),
 ]

@@ -63,8 +63,9 @@ class Config:
     CTA pulls the partials it sums from its peers' shared memory after a cluster barrier
     (release, acquire); 1 each warp pushes them into the shared memory of the CTA that sums
     them (`st.async`, counted on that CTA's mbarrier); 2 pushed, and no cluster barrier at
-    exit where no CTA reads a peer's shared memory. All three sum in the same order: the
-    same bits."""
+    exit where no CTA reads a peer's shared memory; 3 as 2, a thread's four values of a
+    token tile sent in one 16-byte store (an even number of 8-token tiles; else as 2). All
+    sum in the same order: the same bits."""
 
     cluster: int = 8
     warps: int = 4
@@ -76,16 +77,22 @@ class Config:
 
 # Accumulator chains a launch takes: (most tokens, chains), the first entry that holds the
 # call's count, for the logits alone and for the routed launch; and the exchange's form
-# (`Config.exchange`), for both. From router run 20's two H100 sweeps
-# (`router_exchange_sweep_h100*.json`, us, within 0.04 of each other): pushed without the
-# exit barrier, the logits take 0.38-0.70 us less at 1-16 tokens (2.94 / 3.34 at 1 / 16)
-# and routed calls 0.25-0.70 less (5.00 / 5.72); at 32 tokens the logits with two chains
-# 4.81-4.85 against 5.23 pulled with four; at 64 the pulled form wins (7.03 / 10.70
-# against 7.93 / 11.63: 32 sends a thread, each behind a branch). Chains as in router run
-# 17's H200 sweep otherwise (routed 2 everywhere; logits 2 at 64).
-CHAINS_LOGITS = ((16, 4), (MAX_TOKENS, 2))
+# (`Config.exchange`), for both. Router run 20 (two H100 sweeps,
+# `router_exchange_sweep_h100*.json`): pushed without the exit barrier (form 2), the logits
+# take 0.38-0.70 us less at 1-16 tokens and routed calls 0.25-0.70 less; at 64 it lost 0.9
+# us to the pulled form (32 sends a thread, each behind a branch). Router run 21 (two H100
+# sweeps, `router_vector_push_sweep_h100*.json`, us, first / second): form 3 sends a
+# thread's four values of a tile in one store where a CTA sums an even number of tiles
+# (9-16, 25-32, 41-48, 57-64 tokens; elsewhere it is form 2). At 64 tokens, two chains,
+# logits 6.38 / 6.44 against 7.07 / 7.11 pulled and routed 10.12 / 10.19 against 10.74 /
+# 10.83; at 32 4.54 / 4.51 against 5.05 / 5.01 (form 2), routed 7.08 / 7.02 against 7.43 /
+# 7.38; at 16 the logits 3.37 / 3.39 with two chains against 3.43 / 3.44 (form 2, four:
+# form 3 with four chains takes 3.98), routed equal within 0.02. 33-56 tokens stay pulled
+# (5-7 tiles: not timed with form 3). Chains as in router run 17's H200 sweep otherwise
+# (routed 2 everywhere; logits 4 for one tile).
+CHAINS_LOGITS = ((8, 4), (MAX_TOKENS, 2))
 CHAINS_ROUTED = ((MAX_TOKENS, 2),)
-EXCHANGE_FORMS = ((32, 2), (MAX_TOKENS, 0))
+EXCHANGE_FORMS = ((32, 3), (56, 0), (MAX_TOKENS, 3))
 
 
 def _by_tokens(table, tokens: int) -> int:
@@ -207,10 +214,10 @@ def _launch(x2d, weight, logits, route=None, config: Config | None = None):
             f"router (cutedsl): {cfg} does not split hidden {hidden} into 32-wide K steps "
             "over a cluster of 1, 2, 4 or 8; use pick_config(hidden)"
         )
-    if cfg.exchange not in (0, 1, 2):
+    if cfg.exchange not in (0, 1, 2, 3):
         raise ValueError(
             f"router (cutedsl): Config.exchange is {cfg.exchange!r}; it must be 0 (pulled), "
-            "1 (pushed) or 2 (pushed, no exit barrier)"
+            "1 (pushed), 2 (pushed, no exit barrier) or 3 (2 in 16-byte stores)"
         )
     x2d = x2d.contiguous()
     if x2d.data_ptr() % 16:  # activations are read 16 bytes at a time

@@ -114,6 +114,28 @@ def st_async_peer(addr, mbar, rank, value, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def st_async_peer_v4(addr, mbar, rank, v0, v1, v2, v3, *, loc=None, ip=None):
+    """`st_async_peer` of four floats, 16 bytes at a 16-byte aligned `addr`, one store."""
+    _asm(
+        [], [Int32(addr), Int32(mbar), Int32(rank), Float32(v0), Float32(v1), Float32(v2),
+             Float32(v3)],
+        "{ .reg .b32 a, m; mapa.shared::cluster.u32 a, $0, $2; mapa.shared::cluster.u32 m, $1, $2;"
+        " st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32"
+        " [a], {$3, $4, $5, $6}, [m]; }",
+        "r,r,r,f,f,f,f", True, loc, ip,
+    )  # fmt: skip
+
+
+def vec_slot(o):
+    """Where form 3 keeps output `o` (token o // 16 of the CTA's share, expert o % 16) among
+    a sender's partials: a thread's four C values (tokens 2c, 2c + 1 of a tile, experts g,
+    g + 8) side by side, so one 16-byte store sends them."""
+    tl = o // 16
+    e = o % 16
+    return ((tl // 2) * 8 + e % 8) * 4 + tl % 2 + 2 * (e // 8)
+
+
+@dsl_user_op
 def mbar_init(mbar, *, loc=None, ip=None):
     """One arrival a phase; the init made visible to the cluster's async stores."""
     _asm([], [Int32(mbar)],
@@ -489,6 +511,10 @@ def router_kernel(
     # its cluster, the barrier after the flags stays).
     push = exchange_form > 0
     exit_barrier = exchange_form < 2
+    # Form 3: form 2 with a thread's four values of a tile sent in one 16-byte store. An
+    # even number of tiles only: a CTA then sums an even number of tokens (n_tiles), so a
+    # thread's two tokens (2c, 2c + 1) go to the same CTA. (Otherwise: form 2.)
+    vec = exchange_form == 3 and n_tiles % 2 == 0
     if cutlass.const_expr(push):
         if tid == 0:
             mbar_init(mbar)
@@ -550,7 +576,12 @@ def router_kernel(
             for ch in cutlass.range_constexpr(1, chains):
                 more = acc[ch * n_tiles + j]
                 v = [v[i] + more[i] for i in range(4)]
-        for i in cutlass.range_constexpr(4):
+        if cutlass.const_expr(vec):
+            tok = j * 8 + 2 * c
+            if tok < tokens:  # tok + 1 may be padding: its slot is sent, never summed
+                to = ((rank * warps + warp) * share_out + vec_slot(tok % n_tiles * 16 + g)) * 4
+                st_async_peer_v4(part + to, mbar, tok // n_tiles, v[0], v[1], v[2], v[3])
+        for i in cutlass.range_constexpr(0 if vec else 4):
             tok = j * 8 + 2 * c + i % 2
             e = g + 8 * (i // 2)
             if cutlass.const_expr(probe == 1):
@@ -578,7 +609,8 @@ def router_kernel(
             st_shared_s32(flag, 0)
     if cutlass.const_expr(push):
         # Outputs of real tokens only are sent: this CTA waits for those it sums, if any.
-        owned = cutlass.max(cutlass.min(tokens * 16 - rank * share_out, share_out), 0)
+        sent = tokens + tokens % 2 if vec else tokens  # form 3 sends tokens in pairs
+        owned = cutlass.max(cutlass.min(sent * 16 - rank * share_out, share_out), 0)
         if owned > 0:
             if tid == 0:
                 mbar_expect(mbar, owned * cluster * warps * 4)
@@ -594,9 +626,12 @@ def router_kernel(
         total = Float32(0.0)
         if cutlass.const_expr(push):
             if tok < tokens:
+                slot = vec_slot(o) if vec else o
                 for q in cutlass.range_constexpr(cluster):
                     for wp in cutlass.range_constexpr(warps):
-                        total = total + ld_shared_f32(part + ((q * warps + wp) * share_out + o) * 4)
+                        total = total + ld_shared_f32(
+                            part + ((q * warps + wp) * share_out + slot) * 4
+                        )
         else:
             for q in cutlass.range_constexpr(cluster):
                 for wp in cutlass.range_constexpr(warps):

@@ -54,7 +54,7 @@ def test_pick_config_splits_k_into_whole_steps(hidden, expected):
 @pytest.mark.parametrize(
     "table, field, allowed",
     [("CHAINS_LOGITS", "chains", (2, 4)), ("CHAINS_ROUTED", "chains", (2, 4)),
-     ("EXCHANGE_FORMS", "exchange", (0, 1, 2))],
+     ("EXCHANGE_FORMS", "exchange", (0, 1, 2, 3))],
 )  # fmt: skip
 def test_token_tables_cover_every_count(table, field, allowed):
     # (most tokens, value) entries in rising order, the last at MAX_TOKENS: every count the
@@ -71,8 +71,8 @@ def test_token_tables_cover_every_count(table, field, allowed):
 
 def test_launch_refuses_an_unknown_exchange_form():
     x, w, _ = make_router(2, 5120, 256, torch.float32, "cpu", seed=0)
-    with pytest.raises(ValueError, match=r"Config.exchange is 3; it must be 0"):
-        rc._launch(x, w, torch.empty(2, 256), config=rc.Config(exchange=3))
+    with pytest.raises(ValueError, match=r"Config.exchange is 4; it must be 0"):
+        rc._launch(x, w, torch.empty(2, 256), config=rc.Config(exchange=4))
 
 
 def test_launch_refuses_a_config_off_the_steps():
@@ -245,13 +245,14 @@ def test_gpu_same_bits_as_the_former_forms(tokens, probe):
 
 
 @gpu
-@pytest.mark.parametrize("form", [1, 2])
+@pytest.mark.parametrize("form", [1, 2, 3])
 @pytest.mark.parametrize("routed", [False, True])
-@pytest.mark.parametrize("tokens", [1, 3, 4, 8, 9, 16, 32, 33, 64])
+@pytest.mark.parametrize("tokens", [1, 3, 4, 8, 9, 16, 24, 32, 33, 48, 63, 64])
 def test_gpu_exchange_forms_same_bits(tokens, routed, form):
     # The cluster's exchange pulled (`Config.exchange` 0: a cluster barrier, then reads of
     # the peers' shared memory) or pushed (1, and 2 without the exit barrier: each warp's
-    # partials sent to the CTA that sums them, async stores counted on that CTA's mbarrier):
+    # partials sent to the CTA that sums them, async stores counted on that CTA's mbarrier;
+    # 3 as 2 in 16-byte stores, a token pair a store, the odd count's padding sent too):
     # the same sums in the same order, so the same bits.
     cfg = dataclasses.replace(rc.pick_config(5120, tokens, routed=routed), exchange=0)
     pushed = dataclasses.replace(cfg, exchange=form)
