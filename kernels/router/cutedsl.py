@@ -39,12 +39,16 @@ from beamfx.kernels.moe import cutedsl as moe_cutedsl
 from beamfx.ops import Provider
 
 MAX_TOKENS = 64  # 8 MMA column tiles of 8 tokens
-# Where the Triton kernels are faster on an H200 (bench/NOTES.md, router runs 11, 13, 14):
-# logits below 8 tokens (the whole-row kernel, 3.55 against 3.86 us at 4; at 8 this
-# kernel, 3.89 against 4.53). Logits + routing: this kernel at every count it serves since
-# the summing CTAs score the logits (router run 17: 5.59 us at 1 token and 10.70 at 64;
-# Triton's two kernels 6.82 and 12.11 in run 14's table, not the same run).
-LOGITS_MIN_TOKENS = 8
+# Where the Triton kernels are faster: logits below 4 tokens (the whole-row kernel). On an
+# H100, both forced and taking turns (router run 21's `--crossover`,
+# `router_logits_crossover_h100.json`): Triton 2.52 / 2.62 us at 1 / 2 tokens against
+# 3.12 / 3.15 here; this kernel ahead from 4 (3.23 against 3.52; 3.26 against 4.37 at 6).
+# (8 until then: an H200 choice from router runs 11-14, before the pushed exchange took
+# 0.4-0.7 us off this kernel's logits; 3 tokens not timed.) Logits + routing: this kernel
+# at every count it serves since the summing CTAs score the logits (router run 17: 5.59 us
+# at 1 token and 10.70 at 64 on an H200; Triton's two kernels 6.82 and 12.11 in run 14's
+# table, not the same run).
+LOGITS_MIN_TOKENS = 4
 ROUTED_MIN_TOKENS = 1
 ROUTED_MAX_TOKENS = MAX_TOKENS
 MAX_STEPS = 8  # 32-wide K steps a warp holds in flight (registers)

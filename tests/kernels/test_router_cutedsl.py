@@ -105,7 +105,7 @@ def test_routing_layouts(args, expected):
 
 @pytest.mark.parametrize(
     "tokens, gemm, routed",
-    [(1, False, True), (3, False, True), (4, False, True), (7, False, True), (8, True, True),
+    [(1, False, True), (3, False, True), (4, True, True), (7, True, True), (8, True, True),
      (32, True, True), (33, True, True), (64, True, True), (65, False, False)],
 )  # fmt: skip
 def test_token_ranges_where_the_kernel_serves(tokens, gemm, routed, monkeypatch):
