@@ -276,7 +276,7 @@ def bench_shape(
             names += ["nvfp4_mma", "nvfp4_fma"]
         else:
             names += ["nvfp4_atomics", "bf16_atomics"]
-        if cd.why_not(x0, i0, q.w13, q.w2) is None:  # per pair, in blocks, or through wgmma
+        if cd.why_not(x0, i0, *q.tensors()) is None:  # per pair, in blocks, or through wgmma
             names.append("nvfp4_cutedsl")
         for name in names:
             err, us = measure(fns[name], sets, want)

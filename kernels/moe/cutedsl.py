@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from beamfx.kernels.moe import fragments as frag
+from beamfx.kernels.moe.reference import why_not_layout
 from beamfx.kernels.moe.weight_cache import WeightCache
 from beamfx.ops import Provider
 
@@ -394,14 +395,15 @@ def why_not_pairs(pairs, inter: int, experts: int) -> str | None:
     return None
 
 
-def why_not(x, topk_ids, w13, w2) -> str | None:
+def why_not(x, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global) -> str | None:
     reason = why_not_device(x.device)
     if reason:
         return reason
     if x.dtype != torch.bfloat16 or w13.dtype != torch.uint8 or w2.dtype != torch.uint8:
         return f"needs bf16 activations and NVFP4 (uint8) weights, got {x.dtype}, {w13.dtype}"
-    if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
-        return f"needs x [T, H] and topk_ids [T, k], got {tuple(x.shape)}, {tuple(topk_ids.shape)}"
+    reason = why_not_layout(x, topk_ids, w13, w2, (w13_scale, w13_global, w2_scale, w2_global))
+    if reason:
+        return reason
     hidden, inter = x.shape[1], w13.shape[1] // 2
     reason = why_not_pairs(topk_ids.numel(), inter, w13.shape[0])
     if reason:
@@ -414,7 +416,7 @@ def moe_experts_nvfp4(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, to
 
 
 def supports_moe_experts_nvfp4(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, ids):
-    return why_not(x, ids, w13, w2)
+    return why_not(x, ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global)
 
 
 def mega_moe_nvfp4(
@@ -427,7 +429,7 @@ def mega_moe_nvfp4(
 
 
 def supports_mega_moe_nvfp4(x, topk_weights, topk_ids, w13, *rest):
-    return why_not(x, topk_ids, w13, rest[2])
+    return why_not(x, topk_ids, w13, *rest[:5])
 
 
 MOE_EXPERTS_NVFP4 = Provider("cutedsl", moe_experts_nvfp4, supports_moe_experts_nvfp4)

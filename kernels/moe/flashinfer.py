@@ -8,8 +8,8 @@ FlashInfer 0.7.2 `cute_dsl_fused_moe(..., quant_mode="w4a16")` wants its own wei
 layout: FC1 rows interleaved in 64-row granules, up before gate
 (`[up 0:64, gate 0:64, up 64:128, ...]`), and block scales swizzled to the tensor-core
 128x4 layout. `to_flashinfer_layout` converts ModelOpt's layout once per weight (cached on
-the tensors' storage). Its FC1 takes one global scale per expert, so experts whose gate
-and up global scales differ are refused (the caller falls back to Triton).
+the tensors' storage). Its FC1 takes one global scale per expert, so `supports` declines
+experts whose gate and up global scales differ (the next provider serves them).
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
+from beamfx.kernels.moe.reference import why_not_layout
 from beamfx.kernels.moe.weight_cache import WeightCache
 from beamfx.ops import Provider
 
@@ -131,7 +133,28 @@ def mega_moe_nvfp4(
     )
 
 
-def supports_mega_moe_nvfp4(x, topk_weights, topk_ids, w13, *rest):
+SHARED_GLOBALS = WeightCache()  # per w13_global: None, or why gate and up differ
+
+
+def why_not_globals(w13_global: torch.Tensor) -> str | None:
+    """FlashInfer's FC1 takes one global scale an expert: gate and up must share theirs.
+    A value check (a host sync), made once per tensor; while compiling (fake tensors) it
+    is left to the run-time call, where the dispatcher asks again."""
+    if is_fake(w13_global):
+        return None
+
+    def check():
+        if torch.equal(w13_global[:, 0], w13_global[:, 1]):
+            return None
+        return (
+            "FlashInfer's FC1 takes one global scale per expert, but gate and up scales "
+            "differ (requantize them with a shared weight_scale_2)"
+        )
+
+    return SHARED_GLOBALS.get((w13_global,), check)
+
+
+def supports_mega_moe_nvfp4(x, topk_weights, topk_ids, w13, w13_scale, w13_global, w2, *rest):
     reason = why_not_device(x.device)
     if reason:
         return reason
@@ -139,7 +162,8 @@ def supports_mega_moe_nvfp4(x, topk_weights, topk_ids, w13, *rest):
         return f"FlashInfer's W4A16 MoE needs bf16 activations, got {x.dtype}"
     if (w13.shape[1] // 2) % _GRANULE or x.shape[-1] % 64:
         return "FlashInfer's W4A16 MoE needs hidden and moe_intermediate multiples of 64"
-    return None
+    scales = (w13_scale, w13_global, *rest[:2])
+    return why_not_layout(x, topk_ids, w13, w2, scales) or why_not_globals(w13_global)
 
 
 MEGA_MOE_NVFP4 = Provider("flashinfer_cutedsl", mega_moe_nvfp4, supports_mega_moe_nvfp4)

@@ -54,7 +54,7 @@ def mega_moe(
     return reference.moe_finalize(rows, topk_weights, routed_scale)
 
 
-def _why_not(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> str | None:
+def _why_not(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids) -> str | None:
     if not hasattr(torch, "_grouped_mm"):
         return "this torch has no torch._grouped_mm (added in 2.8)"
     if x.device.type != "cuda":
@@ -65,8 +65,10 @@ def _why_not(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> str | None
         return f"torch._grouped_mm is bf16 only, got {x.dtype}, {w13.dtype}, {w2.dtype}"
     if x.shape[-1] % 8 or w2.shape[-1] % 8:
         return "torch._grouped_mm needs H and I multiples of 8 (16-byte strides)"
-    return None
+    return reference.why_not_layout(x, ids, w13, w2)
 
 
-MOE_EXPERTS = Provider("grouped_mm", moe_experts, lambda x, w13, w2, ids: _why_not(x, w13, w2))
-MEGA_MOE = Provider("grouped_mm", mega_moe, lambda x, wt, ids, w13, w2, s: _why_not(x, w13, w2))
+MOE_EXPERTS = Provider("grouped_mm", moe_experts, lambda x, w13, w2, ids: _why_not(x, w13, w2, ids))
+MEGA_MOE = Provider(
+    "grouped_mm", mega_moe, lambda x, wt, ids, w13, w2, s: _why_not(x, w13, w2, ids)
+)

@@ -40,6 +40,49 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(widen(x), widen(weight))
 
 
+def why_not_layout(x, topk_ids, w13, w2, scales=None) -> str | None:
+    """Why the experts' tensors do not fit together in the layout every fast provider
+    assumes (see `moe_experts` and `moe_experts_nvfp4`), or None. Shapes, dtypes and
+    strides only, so it answers for fake tensors while compiling too. With `scales`
+    (w13_scale, w13_global, w2_scale, w2_global) the weights are NVFP4: packed uint8 codes
+    and float8_e4m3fn block scales, contiguous along K (the kernels read their bytes); a
+    layout the reference takes and a kernel would misread (a scale in another float dtype,
+    say) is declined here, and the reference serves it or says what is wrong."""
+    if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        return f"needs x [T, H] and topk_ids [T, k], got {tuple(x.shape)}, {tuple(topk_ids.shape)}"
+    if w13.dim() != 3 or w2.dim() != 3:
+        return f"needs 3-D expert weights, got w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)}"
+    e, two_i, hidden = w13.shape[0], w13.shape[1], x.shape[1]
+    inter = two_i // 2
+    per_byte = 2 if scales is not None else 1
+    want13, want2 = (e, 2 * inter, hidden // per_byte), (e, hidden, inter // per_byte)
+    if two_i % 2 or tuple(w13.shape) != want13 or tuple(w2.shape) != want2:
+        return (
+            f"needs w13 {want13} and w2 {want2} for hidden {hidden} and {e} experts"
+            f"{' (NVFP4: two codes a byte)' if scales is not None else ''}, got "
+            f"{tuple(w13.shape)} and {tuple(w2.shape)}"
+        )
+    if scales is None:
+        return None
+    w13_scale, w13_global, w2_scale, w2_global = scales
+    for name, s, want in (
+        ("w13_scale", w13_scale, (e, 2 * inter, hidden // 16)),
+        ("w2_scale", w2_scale, (e, hidden, inter // 16)),
+    ):
+        if tuple(s.shape) != want:
+            return f"needs {name} {want} (one scale per 16 values), got {tuple(s.shape)}"
+        if s.dtype != torch.float8_e4m3fn:
+            return f"needs float8_e4m3fn {name}, got {s.dtype}"
+        if s.stride(-1) != 1:
+            return f"needs {name} contiguous along K, got strides {tuple(s.stride())}"
+    if tuple(w13_global.shape) != (e, 2) or tuple(w2_global.shape) != (e,):
+        return (
+            f"needs w13_global [{e}, 2] (gate, up) and w2_global [{e}], got "
+            f"{tuple(w13_global.shape)} and {tuple(w2_global.shape)}"
+        )
+    return None
+
+
 def moe_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from beamfx.kernels.moe.reference import why_not_layout
 from beamfx.kernels.triton_common import INTERPRET as _INTERPRET
 from beamfx.kernels.triton_common import tl, triton
 from beamfx.ops import Provider
@@ -1310,7 +1311,11 @@ def moe_experts(x, w13, w2, topk_ids):
 
 
 def supports_moe_experts(x, w13, w2, topk_ids):
-    return _why_not(x, topk_ids, x.shape[-1], w13.shape[1] // 2) or _why_not_weights(False, w13, w2)
+    return (
+        _why_not(x, topk_ids, x.shape[-1], w13.shape[1] // 2)
+        or why_not_layout(x, topk_ids, w13, w2)
+        or _why_not_weights(False, w13, w2)
+    )
 
 
 def mega_moe(x, topk_weights, topk_ids, w13, w2, routed_scale):
@@ -1326,7 +1331,11 @@ def moe_experts_nvfp4(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, to
 
 
 def supports_moe_experts_nvfp4(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, ids):
-    return _why_not(x, ids, x.shape[-1], w13.shape[1] // 2) or _why_not_weights(True, w13, w2)
+    return (
+        _why_not(x, ids, x.shape[-1], w13.shape[1] // 2)
+        or why_not_layout(x, ids, w13, w2, (w13_scale, w13_global, w2_scale, w2_global))
+        or _why_not_weights(True, w13, w2)
+    )
 
 
 def mega_moe_nvfp4(
@@ -1343,9 +1352,8 @@ def mega_moe_nvfp4(
     )
 
 
-def supports_mega_moe_nvfp4(x, topk_weights, topk_ids, w13, *rest):
-    w2 = rest[2]
-    return _why_not(x, topk_ids, x.shape[-1], w13.shape[1] // 2) or _why_not_weights(True, w13, w2)
+def supports_mega_moe_nvfp4(x, topk_weights, topk_ids, w13, w13_scale, w13_global, w2, *rest):
+    return supports_moe_experts_nvfp4(x, w13, w13_scale, w13_global, w2, *rest[:2], topk_ids)
 
 
 _AVAILABLE = triton is not None and not _INTERPRET and torch.cuda.is_available()

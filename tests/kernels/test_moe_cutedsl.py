@@ -107,7 +107,9 @@ def test_provider_refuses_cpu_tensors():
     ids = torch.zeros(2, 2, dtype=torch.int32)
     w13 = torch.zeros(4, 64, 32, dtype=torch.uint8)
     w2 = torch.zeros(4, 64, 16, dtype=torch.uint8)
-    assert "needs a CUDA device" in cd.why_not(x, ids, w13, w2)
+    s13, s2 = torch.zeros(4, 64, 4), torch.zeros(4, 64, 2)  # the device is checked first
+    reason = cd.why_not(x, ids, w13, s13, torch.ones(4, 2), w2, s2, torch.ones(4))
+    assert "needs a CUDA device" in reason
 
 
 # --- GPU ---------------------------------------------------------------------------------
@@ -122,7 +124,7 @@ def _check(tokens, hidden, inter, experts, top_k, combine, seed, config=None):
         pytest.skip(reason)
     x, ids, wt, q, w13b, w2b = make_moe(tokens, hidden, inter, experts, top_k, "cuda", seed)
     wgmma = config is not None and config.wgmma is not None
-    assert cd.why_not(x, ids, q.w13, q.w2) is None or wgmma
+    assert cd.why_not(x, ids, *q.tensors()) is None or wgmma
     poison("cuda")
     if combine:
         out = cd.experts(x, ids, *q.tensors(), wt, 1.5, config=config)

@@ -26,6 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from beamfx.kernels.moe import cutedsl as cd
 from beamfx.kernels.moe import flashinfer as fi
 from beamfx.kernels.moe import grouped, nvfp4
 from beamfx.kernels.moe import reference as ref
@@ -263,11 +264,72 @@ def test_supports_reasons_on_fake_and_cpu_tensors():
         reason = tk.supports_mega_moe_nvfp4(x, torch.empty(4, 2), ids, w13, s, s, w2, s, s, 1.0)
         assert reason is not None and "CUDA" in reason
         assert "CUDA" in grouped.MEGA_MOE.supports(x, None, ids, w13, w2, 1.0)
-        assert fi.MEGA_MOE_NVFP4.supports(x, None, ids, w13) is not None
+        assert fi.MEGA_MOE_NVFP4.supports(x, None, ids, w13, s, s, w2, s, s, 1.0) is not None
     x = torch.zeros(2, 64, dtype=torch.float32)
     assert (
         tk.supports_moe_experts(x, torch.zeros(2, 64, 64), torch.zeros(2, 64, 32), ids) is not None
     )
+
+
+def _as_if_on_a_gpu(monkeypatch):
+    """Every NVFP4 provider's device gate passed (Triton as under its interpreter), so that
+    what their `supports` say next, the layout checks, runs here."""
+    monkeypatch.setattr(tk, "_INTERPRET", True)
+    monkeypatch.setattr(cd, "why_not_device", lambda device: None)
+    monkeypatch.setattr(fi, "why_not_device", lambda device: None)
+    return {
+        "triton": tk.supports_mega_moe_nvfp4,
+        "cutedsl": cd.supports_mega_moe_nvfp4,
+        "flashinfer": fi.supports_mega_moe_nvfp4,
+    }
+
+
+def _strided_last(s):
+    wide = torch.zeros(*s.shape[:-1], 2 * s.shape[-1], dtype=s.dtype)
+    wide[..., ::2] = s
+    return wide[..., ::2]
+
+
+LAYOUT_CASES = {  # what the reference takes or rejects and a kernel would misread
+    "fp32 block scales": (lambda t: {1: t[1].float()}, "needs float8_e4m3fn w13_scale"),
+    "bf16 block scales": (lambda t: {4: t[4].bfloat16()}, "needs float8_e4m3fn w2_scale"),
+    "strided block scales": (lambda t: {1: _strided_last(t[1])}, "contiguous along K"),
+    "w13 for another hidden": (lambda t: {0: t[0][:, :, :64]}, "needs w13 (4, 256, 128)"),
+    "w2 for another inter": (lambda t: {3: t[3].repeat(1, 1, 2)}, "needs w13 (4, 256, 128)"),
+    "one w13 global an expert": (lambda t: {2: t[2][:, 0]}, "needs w13_global [4, 2]"),
+    "w13 scale of another shape": (lambda t: {1: t[1][:, :128]}, "needs w13_scale (4, 256, 16)"),
+}
+
+
+@pytest.mark.parametrize("case", list(LAYOUT_CASES))
+@pytest.mark.parametrize("provider", ["triton", "cutedsl", "flashinfer"])
+def test_nvfp4_providers_decline_layouts_they_would_misread(case, provider, monkeypatch):
+    """A provider whose `supports` says yes must read the tensors as the reference does;
+    where the layout differs (the scales in another float dtype or stride, weights or
+    globals of other shapes), it declines, and the reference serves or names the error."""
+    supports = _as_if_on_a_gpu(monkeypatch)[provider]
+    x, ids, wt, q, _, _ = make_moe(3, 256, 128, 4, 2, "cpu", seed=5)
+    good = list(q.tensors())
+    good[2] = good[2][:, :1].expand(-1, 2).contiguous()  # FlashInfer: gate and up share theirs
+    assert supports(x, wt, ids, *good, 1.0) is None
+    change, want = LAYOUT_CASES[case]
+    bad = list(good)
+    for i, t in change(good).items():
+        bad[i] = t
+    reason = supports(x, wt, ids, *bad, 1.0)
+    assert reason is not None and want in reason, reason
+
+
+def test_flashinfer_declines_differing_gate_up_globals(monkeypatch):
+    """FlashInfer's FC1 takes one global scale an expert: experts whose gate and up scales
+    differ are declined by `supports` (the next provider serves), not refused mid-call."""
+    supports = _as_if_on_a_gpu(monkeypatch)["flashinfer"]
+    x, ids, wt, q, _, _ = make_moe(3, 256, 128, 4, 2, "cpu", seed=5)
+    assert not torch.equal(q.w13_global[:, 0], q.w13_global[:, 1])
+    reason = supports(x, wt, ids, *q.tensors(), 1.0)
+    assert reason is not None and "gate and up scales differ" in reason
+    shared = q.w13_global[:, :1].expand(-1, 2).contiguous()
+    assert supports(x, wt, ids, q.w13, q.w13_scale, shared, *q.tensors()[3:], 1.0) is None
 
 
 def test_nvfp4_weights_must_be_word_aligned():
