@@ -46,10 +46,14 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
+@torch.no_grad()
 def load_into(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     """Copy HF-named full tensors into `model`, keeping this rank's shard. Returns names.
 
     A stacked expert parameter counts as loaded only once every expert's tensors came.
+    Written in place (not through `.data`), so each tensor's version moves on and the
+    kernels' caches of converted weights (`kernels/moe/weight_cache.py`) rebuild after a
+    later load of new weights.
     """
     par = model.parallel
     params = dict(model.named_parameters())
@@ -71,12 +75,12 @@ def load_into(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
             if kind == "down_proj":
                 h, inter = stacked.shape[1:]
                 _check_shape(name, w, (h, inter * par.world_size))
-                stacked.data[e].copy_(w[:, par.shard(w.shape[1])])
+                stacked[e].copy_(w[:, par.shard(w.shape[1])])
             else:
                 half, h = stacked.shape[1] // 2, stacked.shape[2]
                 _check_shape(name, w, (half * par.world_size, h))
                 rows = slice(0, half) if kind == "gate_proj" else slice(half, 2 * half)
-                stacked.data[e, rows].copy_(w[par.shard(w.shape[0])])
+                stacked[e, rows].copy_(w[par.shard(w.shape[0])])
             parts = expert_parts.setdefault(param, set())
             parts.add((e, kind))
             if len(parts) == stacked.shape[0] * (1 if kind == "down_proj" else 2):
@@ -97,7 +101,7 @@ def load_into(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
             w = w[:, par.shard(w.shape[1])]
         else:
             _check_shape(name, w, shape)
-        params[name].data.copy_(w)
+        params[name].copy_(w)
         loaded.add(name)
     return loaded
 

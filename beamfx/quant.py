@@ -46,6 +46,11 @@ def load_expert_scale(model, name: str, tensor: torch.Tensor) -> str | None:
     half = 0 if kind == "gate_proj" else 1
     par = model.parallel
     if what == "weight_scale":
+        if tensor.dim() != 2:
+            raise NVFP4Error(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}; an NVFP4 "
+                "weight_scale is 2-D [N, K/16] (one scale per 16 values)"
+            )
         if kind == "down_proj":
             dst, w = experts.w2_scale[e], tensor[:, par.shard(tensor.shape[1])]
         else:

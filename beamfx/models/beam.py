@@ -382,10 +382,16 @@ class BeamForCausalLM(nn.Module):
     # --- weights (HF names) ---------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load full (unsharded) HF-named tensors, keeping this rank's shard."""
+        """Load full (unsharded) HF-named tensors, keeping this rank's shard (vLLM's entry
+        point). NVFP4 experts are checked afterwards as `load_checkpoint` checks them: a
+        scale the checkpoint lacks is NaN until loaded, and the fast kernels would read it
+        as a finite number, so a missing or invalid one raises here."""
         from beamfx.checkpoint import load_into
+        from beamfx.quant import check_loaded
 
-        return load_into(self, weights)
+        loaded = load_into(self, weights)
+        check_loaded(self)
+        return loaded
 
 
 def reference_model(model: BeamForCausalLM) -> BeamForCausalLM:

@@ -5,11 +5,14 @@ same shape can land at the same address and would get the old tensor's converted
 So an entry holds its source tensors: while it lives their memory cannot be reused, and a
 tensor with the same address, shape, strides and version is a view of the same data.
 In-place writes bump the version and rebuild. Entries are few (one per MoE layer); the
-oldest goes once `max_entries` are held, releasing its sources.
+oldest goes once `max_entries` are held, releasing its sources. Inference tensors (made
+under `torch.inference_mode()`) keep no version, so an in-place write to one could not be
+seen: they are converted on every call, never cached (correct, slow; a warning says so).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -20,6 +23,7 @@ class WeightCache:
     def __init__(self, max_entries: int = 512):
         self.max_entries = max_entries
         self._entries: OrderedDict[tuple, tuple[tuple[torch.Tensor, ...], object]] = OrderedDict()
+        self._warned = False
 
     @staticmethod
     def key(tensors: tuple[torch.Tensor, ...]) -> tuple:
@@ -30,6 +34,17 @@ class WeightCache:
 
     def get(self, tensors: tuple[torch.Tensor, ...], build: Callable[[], object]) -> object:
         """The converted weights of `tensors`, built by `build()` on a miss."""
+        if any(t.is_inference() for t in tensors):
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    "beamfx: expert weights are inference tensors (made under "
+                    "torch.inference_mode()), which keep no version counter, so their "
+                    "converted copies cannot be cached safely and are rebuilt on every "
+                    "call; create or load the weights outside inference mode",
+                    stacklevel=3,
+                )
+            return build()
         key = self.key(tensors)
         hit = self._entries.get(key)
         if hit is not None:

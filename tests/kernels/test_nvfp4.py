@@ -315,3 +315,74 @@ def test_moe_layer_calls_the_nvfp4_semantic_op(nvfp4_checkpoint):
     assert torch.ops.beamfx.moe_experts_nvfp4.default in targets
     assert torch.ops.beamfx.moe_finalize.default in targets
     assert torch.ops.beamfx.moe_experts.default not in targets
+
+
+def _vllm_load(path, tensors):
+    """As vLLM loads: a model from config.json, then `load_weights` over (name, tensor)."""
+    from beamfx.config import load_config
+    from beamfx.models.beam import BeamForCausalLM
+
+    model = BeamForCausalLM(load_config(path))
+    return model, model.load_weights(iter(tensors.items()))
+
+
+def test_vllm_load_path_checks_nvfp4_scales(nvfp4_checkpoint):
+    """vLLM calls `load_weights`, not `load_checkpoint`: a scale the checkpoint lacks stays
+    NaN, which the fast kernels would read as a finite number, so it must raise there too."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(f"{nvfp4_checkpoint}/model.safetensors")
+    model, loaded = _vllm_load(nvfp4_checkpoint, tensors)
+    assert any(name.endswith("w13_scale") for name in loaded)
+    victim = next(k for k in tensors if k.endswith("experts.1.down_proj.weight_scale_2"))
+    del tensors[victim]
+    with pytest.raises(NVFP4Error, match=r"lacks weight_scale_2 of some experts \(1 missing\)"):
+        _vllm_load(nvfp4_checkpoint, tensors)
+
+
+def test_reloaded_weights_rebuild_the_converted_copies(nvfp4_checkpoint):
+    """A later `load_weights` of new expert weights (a weight sync) moves the tensors'
+    versions on, so the kernels' caches of converted weights build again."""
+    from safetensors.torch import load_file
+
+    from beamfx.kernels.moe.weight_cache import WeightCache
+    from beamfx.models.beam import BeamExpertsNVFP4
+
+    tensors = load_file(f"{nvfp4_checkpoint}/model.safetensors")
+    model, _ = _vllm_load(nvfp4_checkpoint, tensors)
+    experts = next(m for m in model.modules() if isinstance(m, BeamExpertsNVFP4))
+    cache, builds = WeightCache(), []
+    sources = (experts.w13, experts.w13_scale, experts.w2, experts.w2_scale)
+    convert = lambda: builds.append(experts.w13.clone()) or builds[-1]  # noqa: E731
+    cache.get(sources, convert)
+    cache.get(sources, convert)
+    assert len(builds) == 1
+    name = next(k for k in tensors if k.endswith("experts.2.gate_proj.weight"))
+    model.load_weights([(name, tensors[name] ^ 0x11)])  # new codes, the same scales
+    assert torch.equal(cache.get(sources, convert), experts.w13) and len(builds) == 2
+    assert not torch.equal(builds[0], builds[1])
+
+
+def test_converted_weights_of_inference_tensors_are_not_cached():
+    """Inference tensors keep no version, so a write to one could not be seen: they are
+    converted on every call (with a warning), never served a stale copy."""
+    from beamfx.kernels.moe.weight_cache import WeightCache
+
+    with torch.inference_mode():
+        w = torch.ones(4)
+    cache = WeightCache()
+    with pytest.warns(UserWarning, match="inference tensors"):
+        assert cache.get((w,), lambda: w.sum().item()) == 4
+    with torch.inference_mode():
+        w.add_(1)
+    assert cache.get((w,), lambda: w.sum().item()) == 8 and len(cache) == 0
+
+
+def test_one_dimensional_block_scale_is_named(nvfp4_checkpoint):
+    from safetensors.torch import load_file
+
+    tensors = load_file(f"{nvfp4_checkpoint}/model.safetensors")
+    name = next(k for k in tensors if k.endswith("experts.0.down_proj.weight_scale"))
+    tensors[name] = tensors[name].flatten()
+    with pytest.raises(NVFP4Error, match=r"weight_scale is 2-D \[N, K/16\]"):
+        _vllm_load(nvfp4_checkpoint, tensors)
