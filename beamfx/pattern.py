@@ -271,7 +271,22 @@ class FusionPass:
             if isinstance(t, TensorSpec) and n in variant.names
         }
 
+        covered = _pattern_kwargs(variant.pattern)
+
+        def reject(match: pm.Match, why: str, what: str) -> bool:
+            node = match.output_nodes()[0]
+            self.rejections.append(Rejection(self.name, variant.label, node.name, why, what))
+            return False
+
         def check(match: pm.Match) -> bool:
+            # Inductor's matcher ignores a node's keyword arguments that the pattern does not
+            # name (`add(a, b, alpha=2)` matches `add(a, b)`): one off its schema's default
+            # computes something else, so the match is refused.
+            for node in match.nodes:
+                extra = _uncovered_kwargs(node, covered)
+                if extra:
+                    why = f"{node.name} has keyword arguments the pattern does not cover: {extra}"
+                    return reject(match, why, "keyword arguments")
             # A scalar wildcard binds constants only: a tensor there is another computation.
             for n, t in scalars.items():
                 v = match.kwargs.get(n)
@@ -279,21 +294,25 @@ class FusionPass:
                     return False
             # Dtypes are part of a variant: the fp32 variant of a pattern that has no casts
             # must not claim the same ops computed in bf16.
-            acts = set()
+            acts = {}
             for n, spec in tensor_specs.items():
                 node = match.kwargs.get(n)
                 val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
                 if val is None:
                     continue
                 if spec.dtype is None:
-                    acts.add(val.dtype)
+                    acts[n] = val.dtype
                 elif spec.dtype == "any":
                     if not val.dtype.is_floating_point:
-                        return False
+                        return reject(match, f"{n} is {val.dtype}, not a float", "dtype")
                 elif val.dtype != spec.dtype:
-                    return False
-            if len(acts) > 1 or not acts <= variant.act_dtypes:
-                return False
+                    why = f"{n} is {val.dtype}; the rule needs {spec.dtype}"
+                    return reject(match, why, "dtype")
+            if len(set(acts.values())) > 1:
+                found = ", ".join(f"{n} {d}" for n, d in acts.items())
+                return reject(match, f"activations of more than one dtype: {found}", "dtype")
+            if not set(acts.values()) <= variant.act_dtypes:
+                return False  # another variant of the rule covers this dtype
             args = {
                 k: (v.meta.get("val") if isinstance(v, torch.fx.Node) else v)
                 for k, v in match.kwargs.items()
@@ -304,11 +323,7 @@ class FusionPass:
                 except (KeyError, AttributeError, IndexError, StopIteration):
                     continue  # this variant lacks the argument the constraint reads
                 if why is not None:
-                    node = match.output_nodes()[0]
-                    self.rejections.append(
-                        Rejection(self.name, variant.label, node.name, why, c.name)
-                    )
-                    return False
+                    return reject(match, why, c.name)
             return True
 
         return check
@@ -362,8 +377,9 @@ class FusionPass:
         """
         anchors = self.anchors()
         out: list[Rejection] = []
+        alive = {n.name for n in graph.nodes}  # a node another variant fused is gone
         for r in self.rejections:
-            if r.node not in {o.node for o in out}:
+            if r.node in alive and r.node not in {o.node for o in out}:
                 out.append(r)
         done = {r.node for r in out}
         for node in graph.nodes:
@@ -610,7 +626,13 @@ def _splice(
     supplied = iter(args)
     added: dict[torch.fx.Node, None] = {}
     result: Any = None
-    with graph.inserting_before(_first(graph, old)):
+    anchor = _first(graph, old)
+    # An input of the match made after its first output (a weight computed late): the
+    # copies read it before it is defined until the graph is sorted again, below.
+    inputs: list[torch.fx.Node] = []
+    torch.fx.node.map_arg(args, inputs.append)
+    late = any(_first(graph, [anchor, a]) is anchor for a in inputs)
+    with graph.inserting_before(anchor):
         for n in gm.graph.nodes:
             if n.op == "placeholder":
                 env[n] = next(supplied)
@@ -656,6 +678,8 @@ def _splice(
     for n in reversed(added):
         if not n.users and not n.is_impure():
             graph.erase_node(n)
+    if late:
+        pm.stable_topological_sort(graph)
 
 
 def _first(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> torch.fx.Node:
@@ -952,6 +976,50 @@ def _flatten(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Sequence[Any]
     ):
         return pm._TargetArgsExpr.pytree_flatten(args, kwargs)
     return pm._TargetArgsExpr.simple_flatten(args, kwargs)
+
+
+def _pattern_kwargs(p: pm.PatternExpr) -> dict[object, set[str]]:
+    """Per target, the keyword arguments some op of the pattern names (the matcher compares
+    those; it ignores the rest)."""
+    out: dict[object, set[str]] = {}
+    seen, stack = set(), [p]
+    while stack:
+        q = stack.pop()
+        if not isinstance(q, pm.PatternExpr) or id(q) in seen:
+            continue
+        seen.add(id(q))
+        if isinstance(q, pm.MultiOutputPattern):
+            stack.extend(q.outputs)
+            continue
+        if isinstance(q, pm._TargetArgsExpr):
+            for fn in q.fns:
+                out.setdefault(fn, set()).update(q.kwargs)
+            stack.extend(q.flat_args_kwargs[0])
+    return out
+
+
+def _uncovered_kwargs(node: torch.fx.Node, covered: dict[object, set[str]]) -> dict:
+    """`node`'s keyword arguments that the pattern does not name and that differ from the
+    op schema's default (a default spelled out computes the same)."""
+    if node.op != "call_function" or not node.kwargs:
+        return {}
+    schema = getattr(node.target, "_schema", None)
+    defaults = {}
+    if schema is not None:
+        defaults = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    names = covered.get(node.target, set())
+    return {
+        k: v
+        for k, v in node.kwargs.items()
+        if k not in names and not (k in defaults and _same_default(v, defaults[k]))
+    }
+
+
+def _same_default(value, default) -> bool:
+    try:
+        return bool(value == default) and type(value) is not torch.fx.Node
+    except Exception:  # a value that does not compare (a tensor): not the default
+        return False
 
 
 def _size(p: pm.PatternExpr) -> int:

@@ -98,6 +98,79 @@ def test_explain_says_where_the_pattern_diverged():
     assert "multiple_users" in why.reason or "users" in why.reason
 
 
+def _gate(alpha):
+    def fn(out, gate, bias):
+        return out * torch.sigmoid(torch.add(gate, bias.view(1, -1, 1), alpha=alpha))
+
+    return fn
+
+
+def test_a_keyword_argument_the_pattern_does_not_name_blocks_the_match():
+    """Inductor's matcher ignores a node's keyword arguments that the pattern does not name:
+    `add(gate, bias, alpha=2)` would match the gate's `add(gate, bias)`, and the rewrite
+    would drop alpha. The match is refused and explained; alpha at its default fuses."""
+    out, gate, bias = bst.randn(4, 4, 8, seed=1), bst.randn(4, 4, 8, seed=2), bst.randn(4, seed=3)
+    res = assert_fusion(_gate(2), (out, gate, bias), "attn_gate", matches=0)
+    (why,) = [e for r in res.manager.reports for e in r.explain]
+    assert why.constraint == "keyword arguments" and "'alpha': 2" in why.reason
+    assert_fusion(_gate(1), (out, gate, bias), "attn_gate", matches=1)
+
+
+def test_canonicalize_keeps_an_add_with_alpha():
+    """The always-on canonicalize stage raised `add(a * xs, b * rs, alpha=3)` to
+    `scaled_residual_add(a, b, xs, rs)`, alpha lost, with no fusion pass chosen."""
+    x, r = bst.randn(4, 32, seed=1), bst.randn(4, 32, seed=2)
+    x32, r32 = x.float(), r.float()
+
+    def plain(x, r):
+        return torch.add(x * 0.5, r * 0.25, alpha=3.0)
+
+    def sandwich(x, r):
+        a = (ir.rms_norm(x, w, 1e-6).float() * 0.5).to(torch.bfloat16)
+        b = (r.float() * 0.75).to(torch.bfloat16)
+        h = torch.add(a.float(), b.float(), alpha=3.0).to(torch.bfloat16)
+        return h, ir.rms_norm(h, w, 1e-6)
+
+    w = bst.randn(32, seed=3)
+    for fn, args, passes in ((plain, (x32, r32), ()), (sandwich, (x, r), ("boundary",))):
+        torch.compiler.reset()
+        compiled, _ = compile_with(fn, passes, verify=True)
+        got, want = compiled(*args), fn(*args)
+        got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+        # Inductor's own fp32 add of two products may differ from eager in the last bit.
+        for g, e in zip(got, want, strict=True):
+            torch.testing.assert_close(g, e, atol=2**-7, rtol=2**-7)
+
+
+def test_explain_names_activations_of_two_dtypes():
+    """bf16 activations with fp32 norm weights: the boundary does not fuse, and explain
+    says why (it used to report the closest structural divergence of another variant)."""
+    x, r, w = bst.randn(4, 32, seed=1), bst.randn(4, 32, seed=2), bst.randn(32, seed=3).float()
+
+    def fn(x, r):
+        h = ir.scaled_residual_add(ir.rms_norm(x, w, 1e-6), r, 0.5, 0.75)
+        return h, ir.rms_norm(h, w, 1e-6)
+
+    res = assert_fusion(fn, (x, r), "boundary", matches=0)
+    reasons = [e for r in res.manager.reports for e in r.explain]
+    assert reasons and all(e.constraint == "dtype" for e in reasons), reasons
+    assert "activations of more than one dtype" in reasons[0].reason
+    assert "w_post torch.float32" in reasons[0].reason
+
+
+def test_a_match_whose_input_is_made_after_its_first_output():
+    """The next norm's weight is computed after the residual add: the fused op, placed
+    where the match began, reads it; the graph is sorted again, so it lints and runs."""
+    x, r, w1, w2 = (bst.randn(*s, seed=i) for i, s in enumerate([(4, 32), (4, 32), (32,), (32,)]))
+
+    def fn(x, r, w2):
+        h = ir.scaled_residual_add(ir.rms_norm(x, w1, 1e-6), r, 0.5, 0.75)
+        wn = w2 * 2
+        return h, ir.rms_norm(h, wn, 1e-6)
+
+    assert_fusion(fn, (x, r, w2), "boundary", matches=1)
+
+
 def test_a_pass_offers_nodes_only_to_variants_whose_ops_and_edges_all_occur():
     """Variants with an op, or an edge between two ops, absent from the graph cannot
     match: they are not scanned."""
