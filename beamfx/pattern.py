@@ -126,6 +126,18 @@ def last_dim_at_most(arg: str, limit: int) -> Constraint:
     return Constraint(f"size({arg})", check)
 
 
+def same_size(*dims: tuple[str, int]) -> Constraint:
+    """The sizes of these (argument, dim) pairs agree, e.g. `same_size(("x", -1), ("w2",
+    1))`: a shape relation the rewrite relies on (annotations name dims, they do not check
+    them)."""
+
+    def check(args):
+        sizes = {f"{a}.shape[{d}]": args[a].shape[d] for a, d in dims}
+        return None if len(set(sizes.values())) == 1 else f"sizes differ: {sizes}"
+
+    return Constraint("same_size(" + ", ".join(f"{a}[{d}]" for a, d in dims) + ")", check)
+
+
 def same_device(*names: str) -> Constraint:
     def check(args):
         devs = {str(args[n].device) for n in names if args.get(n) is not None}

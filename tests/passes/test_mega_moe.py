@@ -49,6 +49,20 @@ def test_nvfp4_experts_and_finalize_fuse(t, routing, seed):
     assert res.manager.reports[0].ops_after == {"beamfx.mega_moe_nvfp4": 1}
 
 
+def test_experts_that_change_the_width_stay_unfused():
+    """The fused op's output has x's shape: experts mapping hidden 64 to 48 are left alone
+    (the rewrite failed at run time on the output's size before), and explain says why."""
+    x, weights, ids, w13, _ = moe_inputs(4, (8, 2, 4, 2), seed=3)
+    w2 = bst.randn(8, 48, 32, seed=9, scale=32**-0.5)
+
+    def moe(x, weights, ids):
+        return ir.moe_finalize(ir.moe_experts(x, w13, w2, ids), weights, 2.5)
+
+    res = assert_fusion(moe, (x, weights, ids), "mega_moe", matches=0)
+    (why,) = [e for r in res.manager.reports for e in r.explain]
+    assert why.constraint == "same_size(x[-1], w2[1])" and "64" in why.reason and "48" in why.reason
+
+
 @pytest.mark.parametrize("order", [["mega_moe", "boundary"], ["boundary", "mega_moe"]])
 def test_mega_moe_and_boundary_agree_in_either_order(order):
     """mega_moe first takes the finalize; boundary first folds it into the boundary."""
