@@ -1123,6 +1123,16 @@ def _check_gemm(x: torch.Tensor, weight: torch.Tensor, *, need_cuda: bool = True
         return f"weight dtype {weight.dtype} is not fp32/bf16"
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         return f"weight {tuple(weight.shape)} is not [experts, {x.shape[-1]}]"
+    # The split-K kernel's readers add at most MAX_SPLITS chunks. A symbolic token count
+    # (while compiling) is not compared, which would guard the graph on it: the run-time
+    # dispatch asks again with the real count.
+    tokens, hidden = x.numel() // max(x.shape[-1], 1), x.shape[-1]
+    config = _default_config(tokens) if isinstance(tokens, int) else None
+    if isinstance(config, SplitConfig) and triton.cdiv(hidden, config.k_chunk) > MAX_SPLITS:
+        return (
+            f"hidden {hidden} makes {triton.cdiv(hidden, config.k_chunk)} K chunks of "
+            f"{config.k_chunk} at {tokens} tokens, past the split kernel's {MAX_SPLITS}"
+        )
     return None
 
 

@@ -113,6 +113,10 @@ def fake_router(tokens=4, hidden=5120, experts=256, x_dtype=torch.bfloat16,
         (dict(device="cpu"), "device cpu is not cuda"),
         (dict(x_dtype=torch.float16), "x dtype torch.float16 is not bf16"),
         (dict(w_dtype=torch.float16), "weight dtype torch.float16"),
+        # The split-K kernel (9-64 tokens) adds at most MAX_SPLITS chunks of 256: it raised
+        # for hidden above 16384 rather than declining; the whole-row kernel (4) takes it.
+        (dict(tokens=16, hidden=16640), "hidden 16640 makes 65 K chunks of 256 at 16 tokens"),
+        (dict(tokens=4, hidden=16640), None),
     ],
 )
 def test_supports_names_the_limit(case, expected):
