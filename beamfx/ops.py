@@ -60,6 +60,11 @@ class OpDef:
                 self.last_provider, self.last_declined = p.name, declined
                 return p.fn(*args)
             declined[p.name] = reason
+        if pinned is not None and pinned != "reference" and pinned not in declined:
+            # A pinned name no installed provider has (a typo, or a provider this machine
+            # lacks): the reference runs, and the report says so.
+            names = ", ".join(p.name for p in self.providers) or "none"
+            declined[pinned] = f"no provider {pinned!r} is installed here (installed: {names})"
         self.last_provider, self.last_declined = "reference", declined
         return self.reference(*args)
 
@@ -150,8 +155,8 @@ def _install_providers() -> None:
                 if e.name != module:  # the module is there, but something it imports is not
                     warnings.warn(f"beamfx provider {spec} unavailable: {e}", stacklevel=2)
                 continue
-            except (ImportError, AttributeError) as e:
-                warnings.warn(f"beamfx provider {spec} unavailable: {e}", stacklevel=2)
+            except Exception as e:  # an import error, or a library's set-up failing
+                warnings.warn(f"beamfx provider {spec} unavailable: {e!r}", stacklevel=2)
                 continue
             if provider is not None:
                 REGISTRY[op_name].add_provider(provider)

@@ -367,8 +367,34 @@ def test_provider_report_says_what_ran_and_why_faster_ones_declined():
         with ir.pinned_providers(rms_norm="picky"):  # a pin skips the others, says why
             ir.rms_norm(x, w, 1e-6)
         assert ir.provider_report(reset=True)["rms_norm"]["declined"] == {"picky": "needs a GPU"}
+        with ir.pinned_providers(rms_norm="pikcy"):  # a name no provider has: said, not lost
+            ir.rms_norm(x, w, 1e-6)
+        report = ir.provider_report(reset=True)["rms_norm"]
+        assert report["provider"] == "reference"
+        assert report["declined"] == {
+            "pikcy": "no provider 'pikcy' is installed here (installed: picky)"
+        }
     finally:
         opdef.providers = saved
+
+
+def test_a_provider_whose_import_fails_is_skipped_not_fatal(tmp_path, monkeypatch):
+    """A provider module that raises on import (a library's set-up failing, not only a
+    missing module) is skipped with a warning; the providers after it still install."""
+    (tmp_path / "beamfx_broken_provider.py").write_text("raise RuntimeError('no driver')\n")
+    (tmp_path / "beamfx_good_provider.py").write_text(
+        "from beamfx.ops import Provider, REGISTRY\n"
+        "P = Provider('good', REGISTRY['rms_norm'].reference, lambda x, w, eps: None)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(ir, "PROVIDERS", {"rms_norm": ["beamfx_broken_provider:P",
+                                                      "beamfx_good_provider:P"]})  # fmt: skip
+    monkeypatch.setattr(ir, "_installed", False)
+    opdef = ir.REGISTRY["rms_norm"]
+    monkeypatch.setattr(opdef, "providers", [])
+    with pytest.warns(UserWarning, match=r"beamfx_broken_provider:P unavailable: .*no driver"):
+        ir.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-6)
+    assert [p.name for p in opdef.providers] == ["good"] and opdef.last_provider == "good"
 
 
 def test_before_wait_copies_only_strided_operands():
