@@ -291,6 +291,8 @@ def supports_routed_topk(x, weight, correction_bias, top_k, n_group, topk_group,
     experts = weight.shape[0]
     if tuple(correction_bias.shape) != (experts,):
         return f"correction_bias {tuple(correction_bias.shape)} is not ({experts},)"
+    if correction_bias.device != x.device:  # the kernel reads it by address
+        return f"correction_bias on {correction_bias.device}, x on {x.device}"
     return why_not_routing(experts, top_k, n_group, topk_group)
 
 

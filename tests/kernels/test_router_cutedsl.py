@@ -17,6 +17,7 @@ import itertools
 import pytest
 import torch
 from test_router_kernels import check_logits, check_routing, fake_router, make_router
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from beamfx import ops
 from beamfx.kernels.router import cutedsl as rc
@@ -113,6 +114,16 @@ def test_token_ranges_where_the_kernel_serves(tokens, gemm, routed, monkeypatch)
     x, w, bias = fake_router(tokens)
     assert (rc.supports_router_gemm(x, w) is None) == gemm
     assert (rc.supports_routed_topk(x, w, bias, *BEAM, True) is None) == routed
+
+
+def test_routing_declines_a_bias_on_another_device(monkeypatch):
+    # The kernel reads the correction bias by its address: a host tensor would be read as
+    # device memory.
+    monkeypatch.setattr(rc, "why_not_device", lambda device: None)  # as on a Hopper GPU
+    x, w, _ = fake_router(4)
+    with FakeTensorMode():
+        bias = torch.empty(256, device="cpu")
+    assert rc.supports_routed_topk(x, w, bias, *BEAM, True) == "correction_bias on cpu, x on cuda:0"
 
 
 def test_cpu_dispatch_reports_why_cutedsl_declined():
