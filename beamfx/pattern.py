@@ -24,11 +24,13 @@ checks first); this module feeds it:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import itertools
 import operator
 import os
+import types
 import typing
 import weakref
 from collections.abc import Callable, Sequence
@@ -411,7 +413,9 @@ class FusionPass:
         return out
 
     def source_hash(self) -> str:
-        """Hash of the code of every rule and replacement (part of the compile cache key)."""
+        """Hash of the code of every rule, replacement and constraint, with the values they
+        close over (part of the compile cache key: a pass built by a factory, say
+        `last_dim_at_most("x", limit)`, must key each limit apart)."""
         h = hashlib.sha256(self.name.encode())
         for rule in self.rules:
             for fn in (rule.search, rule.replace):
@@ -419,7 +423,9 @@ class FusionPass:
                     h.update(inspect.getsource(inspect.getmodule(fn)).encode())
                 except (OSError, TypeError):
                     h.update(fn.__qualname__.encode())
-            h.update(repr([(c.name) for c in rule.constraints]).encode())
+                h.update(_identity(fn).encode())
+            for c in rule.constraints:
+                h.update(f"{c.name}:{_identity(c.check)}".encode())
             h.update(repr([str(d) for d in rule.dtypes]).encode())
         return h.hexdigest()
 
@@ -988,6 +994,40 @@ def _flatten(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Sequence[Any]
     ):
         return pm._TargetArgsExpr.pytree_flatten(args, kwargs)
     return pm._TargetArgsExpr.simple_flatten(args, kwargs)
+
+
+def _identity(value: Any, depth: int = 0) -> str:
+    """A text that is the same in every process for the same code and values: a function's
+    bytecode, constants, defaults and the values it closes over (recursively); plain
+    values by repr; any other object by its type alone (its repr may hold an address)."""
+    if depth > 4:
+        return "..."
+    if isinstance(value, (bool, int, float, str, bytes, type(None), torch.dtype, torch.device)):
+        return repr(value)
+    if isinstance(value, (tuple, list, set, frozenset)):
+        items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
+        return type(value).__name__ + "(" + ",".join(_identity(v, depth + 1) for v in items) + ")"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{_identity(k, depth + 1)}:{_identity(v, depth + 1)}"
+                              for k, v in value.items()) + "}"  # fmt: skip
+    if isinstance(value, types.CodeType):
+        consts = ",".join(_identity(c, depth + 1) for c in value.co_consts)
+        return hashlib.sha256(value.co_code).hexdigest()[:16] + "(" + consts + ")"
+    if isinstance(value, functools.partial):
+        return "partial(" + _identity((value.func, value.args, value.keywords), depth + 1) + ")"
+    code = getattr(value, "__code__", None)
+    if isinstance(code, types.CodeType):
+        cells = []
+        for cell in getattr(value, "__closure__", None) or ():
+            try:
+                cells.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                cells.append(None)
+        parts = (getattr(value, "__qualname__", ""), code, value.__defaults__, tuple(cells))
+        return _identity(parts, depth + 1)
+    if isinstance(value, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+        return str(value)
+    return type(value).__qualname__
 
 
 def _pattern_kwargs(p: pm.PatternExpr) -> dict[object, set[str]]:

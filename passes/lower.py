@@ -47,12 +47,18 @@ class Lower:
         import hashlib
         import inspect
 
+        from beamfx.kernels import precision
         from beamfx.kernels.boundary import reference as b
+        from beamfx.kernels.moe import nvfp4
         from beamfx.kernels.moe import reference as m
+        from beamfx.kernels.norm import gate
         from beamfx.kernels.norm import reference as n
+        from beamfx.kernels.router import reference as r
 
         h = hashlib.sha256()
-        for mod in (b, m, n, ops):
+        # Every reference lowering inlines, and what they call (the widening, the NVFP4
+        # decode of the reference MoE).
+        for mod in (b, m, n, gate, r, nvfp4, ops, precision):
             h.update(inspect.getsource(mod).encode())
         return h.hexdigest()
 

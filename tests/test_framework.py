@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from beamfx import ops as ir
 from beamfx.passes import PASSES, UnknownPassError, get_pass, resolve
-from beamfx.pattern import Act, FusionPass, H, T, dtype_in
+from beamfx.pattern import Act, FusionPass, H, T, dtype_in, last_dim_at_most
 from beamfx.pipeline import PassManager
 from beamfx.testing import assert_fusion, compile_with
 from beamfx.testing import strategies as bst
@@ -36,6 +36,46 @@ def test_uuid_moves_with_options_and_user_passes():
     base = PassManager(["boundary"]).uuid()
     assert PassManager(["boundary"], canonicalize=False).uuid() != base
     assert PassManager(["boundary", scaled_relu]).uuid() != base
+
+
+def _limited(limit):
+    """A pass from a factory: its constraint's limit lives in a closure, not in the source."""
+    p = FusionPass("limited", "relu(x) * s -> clamp_min(x, 0) * s, x at most `limit` wide")
+
+    @p.rule(replace=lambda x, s: torch.clamp_min(x, 0.0) * s,
+            constraints=[last_dim_at_most("x", limit)])  # fmt: skip
+    def relu_scale(x: Act[T, H], s: float):
+        return torch.relu(x) * s
+
+    return p
+
+
+def test_the_cache_key_holds_what_a_pass_closes_over():
+    # Two limits, one source: the same uuid let Inductor's cache serve the graph compiled
+    # with the other limit.
+    assert PassManager([_limited(4096)]).uuid() != PassManager([_limited(16)]).uuid()
+    assert PassManager([_limited(16)]).uuid() == PassManager([_limited(16)]).uuid()
+
+
+def test_the_cache_key_is_the_same_in_another_process():
+    import subprocess
+    import sys
+
+    code = "from beamfx.pipeline import PassManager; print(PassManager('all').uuid())"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert other.stdout.strip() == PassManager("all").uuid()
+
+
+def test_lower_keys_every_module_it_inlines(monkeypatch):
+    import inspect
+
+    from beamfx.kernels import precision
+    from beamfx.passes import lower
+
+    before = lower.PASS.source_hash()
+    source = inspect.getsource
+    monkeypatch.setattr(inspect, "getsource", lambda m: "" if m is precision else source(m))
+    assert lower.PASS.source_hash() != before
 
 
 def test_unknown_pass_names_the_valid_ones():
