@@ -103,10 +103,14 @@ _STR_SENTINEL = "__beamfx_{}__"
 
 @dataclass(frozen=True)
 class Constraint:
-    """A named predicate over the matched arguments: `check(args)` is None or why not."""
+    """A named predicate over the matched arguments: `check(args)` is None or why not.
+    `args` names the rule parameters it reads, checked when the rule is declared: a name
+    the rule lacks is a typo, which would otherwise read as "this variant lacks the
+    argument" and let every match through."""
 
     name: str
     check: Callable[[dict[str, Any]], str | None]
+    args: tuple[str, ...] = ()
 
 
 def dtype_in(arg: str, *dtypes: torch.dtype) -> Constraint:
@@ -117,7 +121,7 @@ def dtype_in(arg: str, *dtypes: torch.dtype) -> Constraint:
             return f"{arg} is {str(dt).removeprefix('torch.')}, the kernel takes {names}"
         return None
 
-    return Constraint(f"dtype({arg})", check)
+    return Constraint(f"dtype({arg})", check, (arg,))
 
 
 def last_dim_at_most(arg: str, limit: int) -> Constraint:
@@ -125,7 +129,7 @@ def last_dim_at_most(arg: str, limit: int) -> Constraint:
         n = args[arg].shape[-1]
         return None if n <= limit else f"{arg} has last dim {n} > {limit}"
 
-    return Constraint(f"size({arg})", check)
+    return Constraint(f"size({arg})", check, (arg,))
 
 
 def same_size(*dims: tuple[str, int]) -> Constraint:
@@ -137,7 +141,8 @@ def same_size(*dims: tuple[str, int]) -> Constraint:
         sizes = {f"{a}.shape[{d}]": args[a].shape[d] for a, d in dims}
         return None if len(set(sizes.values())) == 1 else f"sizes differ: {sizes}"
 
-    return Constraint("same_size(" + ", ".join(f"{a}[{d}]" for a, d in dims) + ")", check)
+    name = "same_size(" + ", ".join(f"{a}[{d}]" for a, d in dims) + ")"
+    return Constraint(name, check, tuple(a for a, _ in dims))
 
 
 def same_device(*names: str) -> Constraint:
@@ -145,7 +150,7 @@ def same_device(*names: str) -> Constraint:
         devs = {str(args[n].device) for n in names if args.get(n) is not None}
         return None if len(devs) <= 1 else f"{', '.join(names)} span devices {sorted(devs)}"
 
-    return Constraint("same_device", check)
+    return Constraint("same_device", check)  # reads those present
 
 
 def kernel_for(op_name: str, *arg_names: str) -> Constraint:
@@ -169,7 +174,7 @@ def kernel_for(op_name: str, *arg_names: str) -> Constraint:
             return None
         return f"no {device.type} kernel for {op_name} (" + "; ".join(reasons or ["none"]) + ")"
 
-    return Constraint(f"kernel({op_name})", check)
+    return Constraint(f"kernel({op_name})", check)  # reads those present
 
 
 # --- rules and passes --------------------------------------------------------------------
@@ -241,6 +246,15 @@ class FusionPass:
 
         def decorator(search: Callable) -> Callable:
             hints = dict(specs) if specs else _annotations(search)
+            params = list(inspect.signature(search).parameters)
+            for c in constraints:
+                unknown = [a for a in c.args if a not in params]
+                if unknown:
+                    raise ValueError(
+                        f"{self.name}: constraint {c.name} of rule {search.__name__} reads "
+                        f"{', '.join(map(repr, unknown))}, which is not a parameter of "
+                        f"{search.__name__} ({', '.join(params)}); name one of those"
+                    )
             self.rules.append(
                 Rule(name or search.__name__, search, replace, constraints, dtypes, hints)
             )

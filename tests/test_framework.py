@@ -78,6 +78,17 @@ def test_lower_keys_every_module_it_inlines(monkeypatch):
     assert lower.PASS.source_hash() != before
 
 
+def test_a_constraint_on_a_name_the_rule_lacks_is_refused():
+    # A typo ("X") read as "this variant lacks the argument", so the constraint let every
+    # match through.
+    p = FusionPass("typo", "relu(x) * s, bf16 only")
+    with pytest.raises(ValueError, match=r"dtype\(X\) of rule relu_scale reads 'X'.*\(x, s\)"):
+
+        @p.rule(replace=lambda x, s: x, constraints=[dtype_in("X", torch.bfloat16)])
+        def relu_scale(x: Act[T, H], s: float):
+            return torch.relu(x) * s
+
+
 def test_unknown_pass_names_the_valid_ones():
     with pytest.raises(UnknownPassError, match="unknown beamfx pass 'bondary'.*boundary"):
         PassManager("bondary,router_gemm")
