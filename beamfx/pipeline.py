@@ -61,11 +61,22 @@ class PassManager(CustomGraphPass):
         explain: bool = False,
         verify: bool = False,
     ):
-        # Names of beamfx passes, or FusionPass objects of one's own.
-        objects = [p for p in ([] if isinstance(passes, str) else passes) if not isinstance(p, str)]
-        self.custom = {p.name: p for p in objects}
-        names = passes if isinstance(passes, str) else [p for p in passes if isinstance(p, str)]
-        self.names = registry.resolve(names) + list(self.custom)
+        # Names of beamfx passes, or FusionPass objects of one's own, run in the list's order.
+        self.custom: dict[str, FusionPass] = {}
+        self.names: list[str] = []
+        for item in [passes] if isinstance(passes, str) else passes:
+            if isinstance(item, str):
+                self.names += [n for n in registry.resolve(item) if n not in self.names]
+                continue
+            taken = {*registry.PASSES, *registry.STAGES, *self.custom}
+            if item.name in taken:
+                raise ValueError(
+                    f"pass {item.name!r}: a pass of that name is already in the pipeline "
+                    f"(beamfx's: {', '.join([*registry.PASSES, *registry.STAGES])}): "
+                    "give yours another name"
+                )
+            self.custom[item.name] = item
+            self.names.append(item.name)
         self.canonicalize = canonicalize
         self.lower = lower
         self.explain = explain

@@ -89,6 +89,16 @@ def test_a_constraint_on_a_name_the_rule_lacks_is_refused():
             return torch.relu(x) * s
 
 
+def test_a_users_pass_runs_where_it_is_listed_and_needs_its_own_name():
+    assert PassManager([scaled_relu, "boundary"]).names == ["scaled_relu", "boundary"]
+    assert PassManager(["all", scaled_relu]).names == [*PASSES, "scaled_relu"]
+    # A name taken: the built-in ran never and the user's twice, or one of two was dropped.
+    for taken in ("boundary", "lower", "scaled_relu"):
+        clash = FusionPass(taken, "a pass of one's own, named like another")
+        with pytest.raises(ValueError, match=f"pass '{taken}': a pass of that name is already"):
+            PassManager([scaled_relu, "boundary", clash])
+
+
 def test_unknown_pass_names_the_valid_ones():
     with pytest.raises(UnknownPassError, match="unknown beamfx pass 'bondary'.*boundary"):
         PassManager("bondary,router_gemm")
