@@ -365,6 +365,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: a whole number of at least 1 (a rank count)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return value
+
+
 def _group_rank(
     rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple
 ) -> None:
@@ -379,14 +390,17 @@ def _group_rank(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
     try:
-        fn(rank, *args)
+        code = fn(rank, *args)
     finally:
         dist.destroy_process_group()
+    if isinstance(code, int) and code:
+        sys.exit(code)  # a rank's failing status reaches the parent's exit status
 
 
-def spawn_group(world_size: int, fn: Callable, *args, backend: str = "gloo") -> None:
+def spawn_group(world_size: int, fn: Callable, *args, backend: str = "gloo") -> int:
     """Run `fn(rank, *args)` in `world_size` processes joined by a process group: gloo on
-    the CPU, or nccl with rank r on GPU r.
+    the CPU, or nccl with rank r on GPU r. Returns 0, or the first nonzero int a rank's
+    `fn` returned (an exception in a rank is raised here).
 
     `fn` must be a module-level function (it is pickled into the spawned processes).
     """
@@ -397,12 +411,18 @@ def spawn_group(world_size: int, fn: Callable, *args, backend: str = "gloo") -> 
             f"spawn_group: nccl across {world_size} ranks needs {world_size} GPUs, "
             f"this machine has {torch.cuda.device_count()}; use backend='gloo' on the CPU"
         )
-    mp.spawn(_group_rank, args=(world_size, free_port(), backend, fn, args), nprocs=world_size)
+    try:
+        mp.spawn(_group_rank, args=(world_size, free_port(), backend, fn, args), nprocs=world_size)
+    except mp.ProcessExitedException as e:
+        if e.exit_code is None or e.exit_code <= 0:  # killed by a signal: not a status
+            raise
+        return e.exit_code
+    return 0
 
 
-def spawn_gloo(world_size: int, fn: Callable, *args) -> None:
+def spawn_gloo(world_size: int, fn: Callable, *args) -> int:
     """`spawn_group` over gloo (the CPU)."""
-    spawn_group(world_size, fn, *args, backend="gloo")
+    return spawn_group(world_size, fn, *args, backend="gloo")
 
 
 # --- beamfx demo --------------------------------------------------------------------------
@@ -518,7 +538,7 @@ def _graph_arguments(parser: argparse.ArgumentParser) -> None:
     _config_arguments(parser)
     parser.add_argument(
         "--tp",
-        type=int,
+        type=_positive_int,
         default=1,
         help="tensor-parallel ranks (>1: gloo processes; rank 0 prints)",
     )
@@ -614,7 +634,7 @@ def _passes(args: argparse.Namespace) -> int:
 def _compile_arguments(parser: argparse.ArgumentParser) -> None:
     _config_arguments(parser)
     parser.add_argument("--passes", default="all", help="comma-separated pass names, or all")
-    parser.add_argument("--tp", type=int, default=1, help="tensor parallel ranks (gloo)")
+    parser.add_argument("--tp", type=_positive_int, default=1, help="tensor parallel ranks (gloo)")
     parser.add_argument("--report", choices=["text", "json"], default="text")
     parser.add_argument("--explain", action="store_true", help="say why candidates did not fuse")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
@@ -637,8 +657,7 @@ def _compile(args: argparse.Namespace) -> int:
     _check_weight_size(cfg, args.tp)
     if args.tp == 1:
         return _compile_on_rank(0, args)
-    spawn_gloo(args.tp, _compile_on_rank, args)
-    return 0
+    return spawn_gloo(args.tp, _compile_on_rank, args)
 
 
 def _compile_on_rank(rank: int, args: argparse.Namespace) -> int:

@@ -42,3 +42,25 @@ def test_compile_rejects_a_misspelled_pass_with_the_valid_names(capsys):
     assert main(["compile", "--passes", "boundry"]) == 2
     err = capsys.readouterr().err
     assert "unknown beamfx pass 'boundry'" in err and "boundary" in err
+
+
+@pytest.mark.parametrize("tp", ["0", "-2", "two"])
+def test_compile_rejects_a_rank_count_below_one(tp, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["compile", "--tp", tp])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --tp: must be a whole number of at least 1, got '{tp}'" in err
+
+
+def _rank_status(rank: int, failing_rank: int) -> int:
+    return 1 if rank == failing_rank else 0
+
+
+@pytest.mark.parametrize("failing_rank, status", [(-1, 0), (1, 1)])
+def test_a_ranks_failing_status_reaches_the_caller(failing_rank, status):
+    # `beamfx compile --tp 2` exited 0 when the ranks' outputs disagreed: their statuses
+    # were dropped.
+    from beamfx.cli import spawn_gloo
+
+    assert spawn_gloo(2, _rank_status, failing_rank) == status
