@@ -17,6 +17,7 @@ import sys
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+PASS_KEY = "post_grad_custom_post_pass"
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +78,60 @@ def test_wrong_pass_name_lists_valid_names(integration):
         assert f"+beamfx:{name}" in message
     with pytest.raises(UnknownPassError):
         integration.compilation_config(["boundry"])
+
+
+def test_conflicting_entries_are_refused(integration):
+    # vLLM accepts "+beamfx:boundary" beside "-beamfx:all" (two names); beamfx ran none.
+    with pytest.raises(ValueError, match=r"\(\+beamfx:boundary\) and disable them all"):
+        integration.passes_from_custom_ops(["+beamfx:boundary", "-beamfx:all"])
+
+
+def test_compilation_config_keeps_the_users_inductor_passes(integration):
+    config = integration.compilation_config("boundary", inductor_passes={"other": "x.y"})
+    assert config["inductor_passes"] == {"other": "x.y", PASS_KEY: "beamfx.vllm_pass"}
+    with pytest.raises(ValueError, match="already names 'x.y'"):
+        integration.compilation_config("boundary", inductor_passes={PASS_KEY: "x.y"})
+
+
+def _engine_config(custom_ops, with_pass=True):
+    from vllm.config import CompilationConfig, VllmConfig
+
+    passes = {"inductor_passes": {PASS_KEY: "beamfx.vllm_pass"}} if with_pass else {}
+    return VllmConfig(compilation_config=CompilationConfig(custom_ops=custom_ops, **passes))
+
+
+def test_each_engine_has_its_own_pass_list_without_bind(integration):
+    # A model that does not bind: the template read the first config it compiled under and
+    # kept that pass list for every later engine in the process.
+    from vllm.config import set_current_vllm_config
+
+    ran = []
+    for custom_ops in (["+beamfx:boundary"], ["+beamfx:attn_gate"]):
+        config = _engine_config(custom_ops)
+        template = config.compilation_config.inductor_compile_config[PASS_KEY]
+        assert template is integration.vllm_pass and not template.bound
+        with set_current_vllm_config(config):
+            ran.append(template._manager().names)
+        assert config.compilation_config.inductor_compile_config[PASS_KEY].bound
+    assert ran == [["boundary"], ["attn_gate"]] and not integration.vllm_pass.bound
+
+
+def test_custom_ops_without_the_pass_say_so(integration):
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.beamfx")
+    logger.addHandler(handler)
+    try:
+        assert integration.bind(_engine_config(["+beamfx:boundary"], with_pass=False)) is None
+    finally:
+        logger.removeHandler(handler)
+    (message,) = [r.getMessage() for r in records]
+    assert "+beamfx:boundary" in message and "no beamfx pass runs" in message
+    from beamfx.passes import UnknownPassError
+
+    with pytest.raises(UnknownPassError, match="'\\+beamfx:typo'"):
+        integration.bind(_engine_config(["+beamfx:typo"], with_pass=False))
 
 
 def test_uuid_follows_pass_list(integration):

@@ -13,7 +13,9 @@ which accepts free "+name"/"-name" entries:
     "-beamfx:NAME"   leave NAME out ("-beamfx:all": no fusion, only canonicalize and lower)
 
 The chosen passes run in the order `beamfx.passes.PASSES` gives them, whatever the order
-of the entries.
+of the entries. "+beamfx:NAME" beside "-beamfx:all" is refused (which was meant?), and
+"+beamfx:" entries without `beamfx.vllm_pass` in `inductor_passes` get a warning: nothing
+would run them.
 
 `register` is the `vllm.general_plugins` entry point; vLLM calls it in every process. It
 registers Beam's config and model with vLLM and makes `beamfx.vllm_pass` resolvable.
@@ -65,6 +67,12 @@ def passes_from_custom_ops(custom_ops: Sequence[str]) -> list[str]:
                 f"choose from {valid}"
             )
         (enabled if sign == "+" else disabled).append(name)
+    if enabled and "all" in disabled:
+        raise ValueError(
+            f"--compilation-config custom_ops both enable beamfx passes "
+            f"({', '.join('+' + CUSTOM_OP_PREFIX + n for n in enabled)}) and disable them all "
+            f"(-{CUSTOM_OP_PREFIX}all): keep one"
+        )
     # A set of switches, as vLLM reads custom_ops; the passes run in their designed order.
     chosen = set(registry.resolve(enabled or ["all"])) - set(registry.resolve(disabled))
     return [p for p in registry.PASSES if p in chosen]
@@ -79,7 +87,14 @@ def compilation_config(passes: Sequence[str] | str = "all", **options: Any) -> d
     names = registry.resolve(passes)
     ours = [f"+{CUSTOM_OP_PREFIX}{n}" for n in names] or [f"-{CUSTOM_OP_PREFIX}all"]
     custom_ops = [*options.pop("custom_ops", []), *ours]
-    return {"inductor_passes": {PASS_KEY: PASS_NAME}, "custom_ops": custom_ops, **options}
+    inductor_passes = dict(options.pop("inductor_passes", {}))
+    if inductor_passes.get(PASS_KEY, PASS_NAME) != PASS_NAME:
+        raise ValueError(
+            f"compilation_config: inductor_passes already names {inductor_passes[PASS_KEY]!r} "
+            f"as {PASS_KEY}, which beamfx needs for {PASS_NAME}: vLLM runs one such pass"
+        )
+    inductor_passes[PASS_KEY] = PASS_NAME
+    return {"inductor_passes": inductor_passes, "custom_ops": custom_ops, **options}
 
 
 # --- the pass vLLM runs -------------------------------------------------------------------
@@ -111,25 +126,35 @@ class VllmPass(InductorPass):
     def bound(self) -> bool:
         return self.manager is not None
 
-    def _manager(self) -> PassManager:
-        if self.manager is None:
-            # A model that does not bind the pass: read the config vLLM is compiling under.
-            from vllm.config import get_current_vllm_config_or_none
+    def _target(self) -> VllmPass:
+        """This pass if bound; else (the template, under a model that does not bind) the
+        bound copy of the config vLLM is compiling under, made on first use and kept in that
+        config, never in the template: another engine in the process has its own."""
+        if self.manager is not None:
+            return self
+        from vllm.config import get_current_vllm_config_or_none
 
-            config = get_current_vllm_config_or_none()
-            if config is None:
-                raise RuntimeError(
-                    f"{PASS_NAME} cannot read its pass list: no vLLM config is current while "
-                    "compiling. Serve a model that binds it (beamfx's BeamForCausalLM calls "
-                    "beamfx.integrations.vllm.bind(vllm_config) in __init__)."
-                )
-            bound = VllmPass.for_config(config)
-            self.custom_ops, self.manager, self.rank = bound.custom_ops, bound.manager, bound.rank
-        return self.manager
+        config = get_current_vllm_config_or_none()
+        if config is None:
+            raise RuntimeError(
+                f"{PASS_NAME} cannot read its pass list: no vLLM config is current while "
+                "compiling. Serve a model that binds it (beamfx's BeamForCausalLM calls "
+                "beamfx.integrations.vllm.bind(vllm_config) in __init__)."
+            )
+        options = config.compilation_config.inductor_compile_config
+        found = options.get(PASS_KEY)
+        if isinstance(found, VllmPass) and found.bound:
+            return found
+        options[PASS_KEY] = bound = VllmPass.for_config(config)
+        return bound
+
+    def _manager(self) -> PassManager:
+        return self._target().manager
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        self._manager()(graph)
-        self._publish()
+        target = self._target()
+        target.manager(graph)
+        target._publish()
 
     def uuid(self) -> str:
         if not self.bound:
@@ -145,12 +170,12 @@ class VllmPass(InductorPass):
 
     def summary(self) -> dict[str, Any]:
         """PassManager.summary() plus where it ran: matches per pass over the compiled graphs."""
-        manager = self._manager()
+        target = self._target()
         return {
-            **manager.summary(),
-            "uuid": manager.uuid(),
-            "rank": self.rank,
-            "custom_ops": self.custom_ops,
+            **target.manager.summary(),
+            "uuid": target.manager.uuid(),
+            "rank": target.rank,
+            "custom_ops": target.custom_ops,
         }
 
     def format_text(self) -> str:
@@ -185,8 +210,17 @@ def bind(vllm_config) -> VllmPass | None:
     Call it before anything compiles (a model's `__init__`): it validates the pass list,
     so a wrong pass name fails at start-up.
     """
-    options = vllm_config.compilation_config.inductor_compile_config
+    compilation = vllm_config.compilation_config
+    options = compilation.inductor_compile_config
     if not isinstance(options.get(PASS_KEY), VllmPass):
+        ours = [e for e in compilation.custom_ops or () if e[1:].startswith(CUSTOM_OP_PREFIX)]
+        if ours:
+            passes_from_custom_ops(ours)  # a misspelled pass still fails here
+            logger.warning(
+                "custom_ops name beamfx passes (%s) but inductor_passes has no %s %r: no "
+                "beamfx pass runs. Add \"inductor_passes\": {\"%s\": \"%s\"}",
+                ", ".join(ours), PASS_KEY, PASS_NAME, PASS_KEY, PASS_NAME,
+            )  # fmt: skip
         return None
     options[PASS_KEY] = bound = VllmPass.for_config(vllm_config)
     logger.info(
