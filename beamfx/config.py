@@ -29,6 +29,29 @@ def _fail(key: str, value: Any, allowed: str) -> None:
     raise BeamConfigError(f"Beam config {key}={value!r} is invalid: {allowed}")
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, float | int) and not isinstance(value, bool)
+
+
+def _warn_near_misses(extra: dict[str, Any]) -> None:
+    """A key transformers would keep as a plain attribute, spelled like one of Beam's own
+    (`num_expert_per_tok`), leaves that key at its default: say so."""
+    import difflib
+    import inspect
+
+    ours = [
+        k for k in inspect.signature(BeamConfig.__init__).parameters if k not in ("self", "kwargs")
+    ]
+    for key in extra:
+        close = difflib.get_close_matches(key, ours, n=1, cutoff=0.85)
+        if close and key not in ours:
+            warnings.warn(
+                f"Beam config key {key!r} is not one of Beam's; did you mean {close[0]!r}? "
+                f"({close[0]} keeps its default)",
+                stacklevel=3,
+            )
+
+
 class BeamConfig(PretrainedConfig):
     """Config of `BeamForCausalLM` (released schema; see the project's BEAM.md notes)."""
 
@@ -69,6 +92,7 @@ class BeamConfig(PretrainedConfig):
                     f"ignored ({why}).",
                     stacklevel=2,
                 )
+        _warn_near_misses(kwargs)
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -145,6 +169,9 @@ class BeamConfig(PretrainedConfig):
             _fail("rms_norm_eps", self.rms_norm_eps, "a float in (0, 1)")
         if self.hidden_act != "silu":
             _fail("hidden_act", self.hidden_act, "Beam's MLPs are SwiGLU; only 'silu' is allowed")
+        for key in ("norm_topk_prob", "tie_word_embeddings"):
+            if not isinstance(getattr(self, key), bool):
+                _fail(key, getattr(self, key), "true or false (a JSON boolean)")
         if self.tie_word_embeddings:
             _fail("tie_word_embeddings", True, "Beam's lm_head is untied; set it to false")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -168,10 +195,10 @@ class BeamConfig(PretrainedConfig):
                 f"at most topk_group * num_experts / n_group = {reachable}",
             )
         cap = self.final_logit_softcapping
-        if cap is not None and not (isinstance(cap, float | int) and cap > 0):
+        if cap is not None and not (_is_number(cap) and cap > 0):
             _fail("final_logit_softcapping", cap, "null or a positive number")
-        if not isinstance(self.routed_scaling_factor, float | int):
-            _fail("routed_scaling_factor", self.routed_scaling_factor, "a number")
+        if not (_is_number(self.routed_scaling_factor) and self.routed_scaling_factor > 0):
+            _fail("routed_scaling_factor", self.routed_scaling_factor, "a positive number")
 
     def _validate_types(self, key: str, value: Any, allowed: tuple[str, ...]) -> None:
         if not isinstance(value, list) or len(value) != self.num_hidden_layers:

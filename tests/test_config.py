@@ -98,6 +98,13 @@ BAD = {
     "softcap not positive": ({"final_logit_softcapping": 0.0}, "final_logit_softcapping", 0.0),
     "softcap not a number": ({"final_logit_softcapping": "30"}, "final_logit_softcapping", "30"),
     "routed scale not a number": ({"routed_scaling_factor": "2.5"}, "routed_scaling_factor", "2.5"),
+    "routed scale a bool": ({"routed_scaling_factor": True}, "routed_scaling_factor", True),
+    "routed scale negative": ({"routed_scaling_factor": -2.5}, "routed_scaling_factor", -2.5),
+    "softcap a bool": ({"final_logit_softcapping": True}, "final_logit_softcapping", True),
+    # A string: the semantic front end failed late on the op's bool, the torch one took
+    # "false" as true; the tied check reported the string as True.
+    "norm_topk_prob a string": ({"norm_topk_prob": "false"}, "norm_topk_prob", "false"),
+    "tied embeddings a string": ({"tie_word_embeddings": "false"}, "tie_word_embeddings", "false"),
 }
 
 
@@ -224,3 +231,10 @@ def _parallel(world_size):
     from beamfx.models.beam import Parallel
 
     return Parallel(rank=0, world_size=world_size, group_name=None)
+
+
+def test_a_misspelled_key_is_named_with_the_key_it_resembles():
+    near = r"'num_expert_per_tok'.*did you mean 'num_experts_per_tok'"
+    with pytest.warns(UserWarning, match=near):
+        cfg = BeamConfig(**{**TINY, "num_expert_per_tok": 4})
+    assert cfg.num_experts_per_tok == TINY.get("num_experts_per_tok", 2)
