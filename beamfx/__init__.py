@@ -33,6 +33,12 @@ def compile(
     # Keep the bf16 roundings eager makes between ops that Inductor fuses, so a compiled
     # model gives the outputs the plain model gives (the fused ops keep theirs anyway).
     options = {"emulate_precision_casts": True, **(options or {})}
+    if options.get("post_grad_custom_post_pass") is not None:
+        raise ValueError(
+            "beamfx.compile: options['post_grad_custom_post_pass'] is set, but beamfx's pass "
+            "pipeline is that pass (Inductor runs one): add your pass as a FusionPass to "
+            "`passes`, or compile with torch.compile yourself"
+        )
     options["post_grad_custom_post_pass"] = manager
     compiled = torch.compile(model, options=options, **torch_compile_kwargs)
     compiled.beamfx = manager

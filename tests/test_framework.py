@@ -99,6 +99,14 @@ def test_a_users_pass_runs_where_it_is_listed_and_needs_its_own_name():
             PassManager([scaled_relu, "boundary", clash])
 
 
+def test_compile_refuses_a_second_post_grad_pass():
+    import beamfx
+
+    # Inductor runs one post-grad custom pass: the user's was silently replaced.
+    with pytest.raises(ValueError, match="options\\['post_grad_custom_post_pass'\\] is set"):
+        beamfx.compile(torch.nn.Identity(), options={"post_grad_custom_post_pass": print})
+
+
 def test_unknown_pass_names_the_valid_ones():
     with pytest.raises(UnknownPassError, match="unknown beamfx pass 'bondary'.*boundary"):
         PassManager("bondary,router_gemm")

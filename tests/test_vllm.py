@@ -134,6 +134,15 @@ def test_custom_ops_without_the_pass_say_so(integration):
         integration.bind(_engine_config(["+beamfx:typo"], with_pass=False))
 
 
+def test_report_paths_of_ranks_and_data_parallel_engines(integration, monkeypatch):
+    # Each data-parallel engine's workers count their ranks from 0: one file a rank of an
+    # engine, or the engines overwrite each other's reports.
+    monkeypatch.setenv("BEAMFX_REPORT", "/r/beamfx.json")
+    paths = {(r, d): integration.report_path(r, d) for r in (0, 1) for d in (0, 2)}
+    assert paths == {(0, 0): "/r/beamfx.json", (1, 0): "/r/beamfx.json.rank1",
+                     (0, 2): "/r/beamfx.json.dp2", (1, 2): "/r/beamfx.json.dp2.rank1"}  # fmt: skip
+
+
 def test_uuid_follows_pass_list(integration):
     from vllm.config import CompilationConfig
 

@@ -110,8 +110,9 @@ class VllmPass(InductorPass):
     uuid hashes the class source, and the compile cache would ignore the pass list.
     """
 
-    def __init__(self, custom_ops: Sequence[str] | None = None, rank: int = 0):
+    def __init__(self, custom_ops: Sequence[str] | None = None, rank: int = 0, dp_rank: int = 0):
         self.rank = rank
+        self.dp_rank = dp_rank
         self.custom_ops: list[str] | None = None
         self.manager: PassManager | None = None
         if custom_ops is not None:
@@ -120,7 +121,9 @@ class VllmPass(InductorPass):
 
     @classmethod
     def for_config(cls, vllm_config) -> VllmPass:
-        return cls(vllm_config.compilation_config.custom_ops, vllm_config.parallel_config.rank)
+        parallel = vllm_config.parallel_config
+        dp_rank = getattr(parallel, "data_parallel_rank", 0) or 0
+        return cls(vllm_config.compilation_config.custom_ops, parallel.rank, dp_rank)
 
     @property
     def bound(self) -> bool:
@@ -175,6 +178,7 @@ class VllmPass(InductorPass):
             **target.manager.summary(),
             "uuid": target.manager.uuid(),
             "rank": target.rank,
+            "dp_rank": target.dp_rank,
             "custom_ops": target.custom_ops,
         }
 
@@ -190,17 +194,19 @@ class VllmPass(InductorPass):
 
     def _publish(self) -> None:
         logger.info("%s", self.format_text())
-        path = report_path(self.rank)
+        path = report_path(self.rank, self.dp_rank)
         if path:
             with open(path, "w") as f:
                 json.dump(self.summary(), f, indent=1, default=str)
 
 
-def report_path(rank: int = 0) -> str | None:
-    """Where the JSON report goes: env BEAMFX_REPORT (rank r > 0 appends `.rank<r>`)."""
+def report_path(rank: int = 0, dp_rank: int = 0) -> str | None:
+    """Where the JSON report goes: env BEAMFX_REPORT; a data-parallel engine d > 0 appends
+    `.dp<d>` (each engine's workers count their ranks from 0), a rank r > 0 `.rank<r>`."""
     path = os.environ.get(REPORT_ENV)
     if not path:
         return None
+    path = path if dp_rank == 0 else f"{path}.dp{dp_rank}"
     return path if rank == 0 else f"{path}.rank{rank}"
 
 
