@@ -225,6 +225,9 @@ def test_residual_scales_follow_the_add_number():
     assert cfg.residual_scales(0, "attn") == pytest.approx((2**-0.5, 0.5**0.5))
     assert cfg.residual_scales(0, "mlp") == pytest.approx((3**-0.5, (2 / 3) ** 0.5))
     assert cfg.residual_scales(3, "mlp") == pytest.approx((9**-0.5, (8 / 9) ** 0.5))
+    # Layer i: attention add n = 2i + 2 (at layer 0 its two scales are equal: no swap shows).
+    assert cfg.residual_scales(2, "attn") == pytest.approx((6**-0.5, (5 / 6) ** 0.5))
+    assert cfg.residual_scales(3, "attn") == pytest.approx((8**-0.5, (7 / 8) ** 0.5))
 
 
 def _parallel(world_size):

@@ -11,14 +11,16 @@ from beamfx.testing import strategies as bst
 
 
 def sandwich(out, r, w_post, w_next, eps, scales):
-    t = ir.rms_norm(out, w_post, eps)
+    """A boundary; `eps` is one epsilon for both norms, or (post-norm's, next norm's)."""
+    eps_post, eps_next = eps if isinstance(eps, tuple) else (eps, eps)
+    t = ir.rms_norm(out, w_post, eps_post)
     h = ir.scaled_residual_add(t, r, *scales)
-    return h if w_next is None else (h, ir.rms_norm(h, w_next, eps))
+    return h if w_next is None else (h, ir.rms_norm(h, w_next, eps_next))
 
 
-@given(t=bst.token_counts(), hidden=bst.hidden_sizes(), eps=bst.epsilons(),
-       scales=bst.residual_scales(), dtype=bst.activation_dtypes(), next_norm=st.booleans(),
-       seed=st.integers(0, 2**16))  # fmt: skip
+@given(t=bst.token_counts(), hidden=bst.hidden_sizes(), eps=st.tuples(bst.epsilons(),
+       bst.epsilons()), scales=bst.residual_scales(), dtype=bst.activation_dtypes(),
+       next_norm=st.booleans(), seed=st.integers(0, 2**16))  # fmt: skip
 def test_dense_boundary_fuses_bitwise(t, hidden, eps, scales, dtype, next_norm, seed):
     x, r = (
         bst.randn(t, hidden, dtype=dtype, seed=seed),
@@ -41,7 +43,7 @@ def test_moe_boundary_includes_the_finalize(t, k, scale, scales, seed):
     r, w1, w2 = bst.randn(t, 64, seed=seed + 1), bst.randn(64, seed=2), bst.randn(64, seed=3)
 
     def moe(rows, weights, r):
-        return sandwich(ir.moe_finalize(rows, weights, scale), r, w1, w2, 1e-6, scales)
+        return sandwich(ir.moe_finalize(rows, weights, scale), r, w1, w2, (1e-6, 0.25), scales)
 
     res = assert_fusion(moe, (rows, weights, r), "boundary", matches=1)
     # The finalize went into the fused op: nothing of the MoE combine is left.
@@ -49,13 +51,15 @@ def test_moe_boundary_includes_the_finalize(t, k, scale, scales, seed):
 
 
 def test_each_boundary_keeps_its_own_scalars():
-    """Two boundaries with different eps and scales in one graph: captured, not baked."""
+    """Two boundaries with different eps and scales in one graph, and in each the two norms
+    with their own eps: captured, not baked, and not swapped (eps far apart, so a swap
+    changes the bits)."""
     x, r = bst.randn(4, 32, seed=1), bst.randn(4, 32, seed=2)
     w = bst.randn(32, seed=3)
 
     def two(x, r):
-        h, y = sandwich(x, r, w, w, 1e-6, (0.5, 0.75))
-        return sandwich(y, h, w, w, 1e-3, (0.25, 0.9))
+        h, y = sandwich(x, r, w, w, (1e-6, 0.5), (0.5, 0.75))
+        return sandwich(y, h, w, w, (0.25, 1e-5), (0.25, 0.9))
 
     assert_fusion(two, (x, r), "boundary", matches=2)
 

@@ -39,8 +39,11 @@ def test_router_gemm_alone_within_1e_5_of_fp64(t, experts, seed):
     torch.testing.assert_close(res.output.double(), exact, rtol=1e-5, atol=1e-5)
 
 
-def test_routing_decisions_match_the_reference_with_ties_allowed():
-    """Logits with deliberate ties: any choice among tied experts is accepted."""
+def test_routing_with_exact_ties_is_the_references_bit_for_bit():
+    """Logits with deliberate ties (experts 0 and 1 equal), routed through the fused op:
+    on CPU the op runs the reference, so its choices, tie order included, are the
+    reference's to the bit (`assert_fusion` checks). A provider that may order ties its
+    own way is held to a tie-aware check instead: the GPU tests' `check_routing`."""
     t, experts = 16, 16
     x = bst.randn(t, 64, seed=5)
     w = bst.randn(experts, 64, dtype=torch.float32, seed=6, scale=0.2)
@@ -50,12 +53,10 @@ def test_routing_decisions_match_the_reference_with_ties_allowed():
                           (x,), "router_gemm", matches=1)  # fmt: skip
     weights, ids = fused.output
     ref_weights, ref_ids = routed_topk(x, w, bias, 4, 4, 2, True)
-    logits = torch.nn.functional.linear(x.float(), w)
-    for row in range(t):
-        chosen, expected = set(ids[row].tolist()), set(ref_ids[row].tolist())
-        for a, b in zip(sorted(chosen - expected), sorted(expected - chosen)):
-            assert torch.isclose(logits[row, a], logits[row, b]), (row, a, b)
-    torch.testing.assert_close(weights.sort(-1).values, ref_weights.sort(-1).values)
+    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)
+    # The tie decides something: some row takes one of the pair and not the other.
+    one_of_pair = (ids == 0).any(1) ^ (ids == 1).any(1)
+    assert one_of_pair.any()
 
 
 @pytest.mark.slow
