@@ -220,6 +220,30 @@ def test_random_configs_match_the_fp64_reference(cfg, batch, seq, seed):
         assert scale <= cfg.final_logit_softcapping
 
 
+@given(
+    cfg=small_configs(), batch=st.integers(1, 2), seq=st.integers(1, 12), seed=st.integers(0, 2**16)
+)
+def test_the_model_computes_beams_math(cfg, batch, seq, seed):
+    """The model in fp64 against Beam's math written apart from it, from the description
+    alone (`tests/independent_beam.py`): `reference_model` runs the model's own code, so
+    the check above measures rounding, and only this one catches a wrong formula."""
+    from independent_beam import beam_logits
+
+    from beamfx.checkpoint import hf_state_dict
+
+    model = init_random(BeamForCausalLM(cfg), seed=seed).eval()
+    ids = torch.randint(
+        3, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed)
+    )
+    ref = reference_model(model)
+    assume(routing_margin(ref, ids) >= 1e-9)  # fp64 both: only an exact tie could split them
+    with torch.no_grad():
+        got = ref(ids)
+        want = beam_logits(cfg, hf_state_dict(model), ids)
+    err = (got - want).abs().max().item()
+    assert err <= 1e-9 * want.abs().max().item(), f"max |diff| {err:.3g}"
+
+
 def test_reference_model_is_fp64_and_leaves_the_model_alone(tiny):
     ref = reference_model(tiny)
     assert {p.dtype for p in ref.parameters()} == {torch.float64}
