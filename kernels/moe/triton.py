@@ -1262,7 +1262,8 @@ LAUNCHES = 2  # per call at <= SCAN_MAX_PAIRS pairs; above, plus the sort (`sort
 # --- providers ----------------------------------------------------------------------------
 
 
-def _why_not(x: torch.Tensor, topk_ids: torch.Tensor, hidden: int, inter: int) -> str | None:
+def _why_not(x, topk_ids, w13, w2, scales=None) -> str | None:
+    """Device, dtypes, and the experts' layout (`why_not_layout`); `scales` for NVFP4."""
     if triton is None:
         return "Triton is not installed"
     if x.device.type != "cuda" and not _INTERPRET:
@@ -1271,8 +1272,10 @@ def _why_not(x: torch.Tensor, topk_ids: torch.Tensor, hidden: int, inter: int) -
         return "needs compute capability 8.0 or newer (bf16 tensor cores)"
     if x.dtype != torch.bfloat16:
         return f"needs bf16 activations, got {x.dtype}"
-    if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
-        return f"needs x [T, H] and topk_ids [T, k], got {tuple(x.shape)}, {tuple(topk_ids.shape)}"
+    reason = why_not_layout(x, topk_ids, w13, w2, scales)
+    if reason:
+        return reason
+    hidden, inter = x.shape[-1], w13.shape[1] // 2
     if hidden % 64 or inter % 32:
         return f"needs hidden % 64 == 0 and moe_intermediate % 32 == 0, got {hidden}, {inter}"
     if topk_ids.dtype not in (torch.int32, torch.int64):
@@ -1311,11 +1314,7 @@ def moe_experts(x, w13, w2, topk_ids):
 
 
 def supports_moe_experts(x, w13, w2, topk_ids):
-    return (
-        _why_not(x, topk_ids, x.shape[-1], w13.shape[1] // 2)
-        or why_not_layout(x, topk_ids, w13, w2)
-        or _why_not_weights(False, w13, w2)
-    )
+    return _why_not(x, topk_ids, w13, w2) or _why_not_weights(False, w13, w2)
 
 
 def mega_moe(x, topk_weights, topk_ids, w13, w2, routed_scale):
@@ -1331,11 +1330,8 @@ def moe_experts_nvfp4(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, to
 
 
 def supports_moe_experts_nvfp4(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, ids):
-    return (
-        _why_not(x, ids, x.shape[-1], w13.shape[1] // 2)
-        or why_not_layout(x, ids, w13, w2, (w13_scale, w13_global, w2_scale, w2_global))
-        or _why_not_weights(True, w13, w2)
-    )
+    scales = (w13_scale, w13_global, w2_scale, w2_global)
+    return _why_not(x, ids, w13, w2, scales) or _why_not_weights(True, w13, w2)
 
 
 def mega_moe_nvfp4(
