@@ -38,13 +38,17 @@ SCAN_MAX_PAIRS = 1024
 # Sorting pairs into blocks (`sort_blocks`, `sort_path`): one program for one chunk
 # (SORT_CHUNK pairs; 3.6-7.9 us at 64-1024 pairs on an H200, bench/NOTES.md MoE run 13), three
 # launches over chunks beyond while the (chunk, bin) table fits one program (SORT_TABLE_CELLS:
-# 131072 pairs at 256 experts; 12.8-22.7 us at 2048-65536 pairs against the torch ops' 70-95,
+# 65536 pairs at 256 experts; 12.8-22.7 us at 2048-65536 pairs against the torch ops' 70-95,
 # run 16), the torch ops beyond that or above SORT_MAX_EXPERTS experts. SORT_CHUNKED_ON_GPU
 # off gives the one program up to SORT_ONE_PROGRAM_PAIRS instead (16.3 us at 2048 pairs,
 # 48.6 at 4096).
 SORT_ONE_PROGRAM_PAIRS = 4096
 SORT_CHUNK = 1024
-SORT_TABLE_CELLS = 1 << 16
+# Triton 3.6 on an H100 gives the offsets kernel a table of 128 x 512 cells 256 KiB of shared
+# memory (over the 227 KiB limit: OutOfResources at 65537 pairs, 256 experts); 64 x 512 and
+# 16 x 2048 fit. Triton 3.9 needs 256 bytes for either.
+SORT_TABLE_CELLS = 1 << 15
+SORT_MAX_CHUNKS = 128  # 131072 pairs: the most run on a GPU (the padding blocks grow with it)
 SORT_MAX_EXPERTS = 1024
 SORT_CHUNKED_ON_GPU = True
 
@@ -1053,7 +1057,9 @@ def sort_path(flat_ids: torch.Tensor, num_experts: int) -> str:
     if triton is None or not (flat_ids.is_cuda or _INTERPRET) or num_experts > SORT_MAX_EXPERTS:
         return "torch"
     chunks = -(-n // SORT_CHUNK)
-    fits = triton.next_power_of_2(chunks) * _sort_bins_pad(num_experts) <= SORT_TABLE_CELLS
+    fits = chunks <= SORT_MAX_CHUNKS and (
+        triton.next_power_of_2(chunks) * _sort_bins_pad(num_experts) <= SORT_TABLE_CELLS
+    )
     if chunks > 1 and fits and (_INTERPRET or SORT_CHUNKED_ON_GPU):
         return "chunked"
     return "one program" if n <= SORT_ONE_PROGRAM_PAIRS else "torch"

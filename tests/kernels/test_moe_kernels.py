@@ -180,11 +180,14 @@ def test_sort_path_on_the_gpu(monkeypatch):
             n: torch.empty(n, dtype=torch.int32, device="cuda")
             for n in (64, 1024, 1025, 4096, 4097)
         }
-        big = torch.empty(1 << 17, dtype=torch.int32, device="cuda")
-        bigger = torch.empty((1 << 17) + 1, dtype=torch.int32, device="cuda")
+        big = torch.empty(1 << 16, dtype=torch.int32, device="cuda")
+        bigger = torch.empty((1 << 16) + 1, dtype=torch.int32, device="cuda")
+        most = torch.empty(1 << 17, dtype=torch.int32, device="cuda")
     assert tk.sort_path(ids[64], 256) == tk.sort_path(ids[1024], 256) == "one program"
     assert tk.sort_path(ids[1025], 256) == tk.sort_path(big, 256) == "chunked"
     assert tk.sort_path(bigger, 256) == "torch"  # the (chunk, bin) table would not fit
+    assert tk.sort_path(most, 8) == "chunked" and tk.sort_path(bigger, 8) == "chunked"
+    assert tk.sort_path(torch.empty((1 << 17) + 1, device="meta"), 8) == "torch"  # chunks
     assert tk.sort_path(ids[64], 1025) == "torch"  # too many experts
     assert tk.sort_path(torch.empty(64, dtype=torch.int32), 256) == "torch"  # CPU
     monkeypatch.setattr(tk, "SORT_CHUNKED_ON_GPU", False)
@@ -494,6 +497,26 @@ def test_sort_blocks_kernels_gpu(experts, bm, pairs, chunked, seed):
             sort_case(experts, bm, pairs, experts + 1, "cuda", path, seed)
     finally:
         tk.SORT_CHUNKED_ON_GPU = old
+
+
+def largest_chunked_sort(experts):
+    """The most pairs `sort_path` gives the chunked sort at this many experts."""
+    c = 1
+    while 2 * c <= tk.SORT_MAX_CHUNKS and 2 * c * tk._sort_bins_pad(experts) <= tk.SORT_TABLE_CELLS:
+        c *= 2
+    return c * tk.SORT_CHUNK
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("experts", [1, 8, 256, 257, 512, 1024])
+@pytest.mark.parametrize("bm", [8, 128])
+def test_sort_chunked_at_its_limits_gpu(experts, bm):
+    """The chunked sort at the most pairs it takes compiles (the table's shared memory) and
+    gives the torch ops' tensors; one pair more goes to the torch ops."""
+    pairs = largest_chunked_sort(experts)
+    sort_case(experts, bm, pairs, experts + 1, "cuda", "chunked")
+    assert tk.sort_path(torch.empty(pairs + 1, device="cuda"), experts) == "torch"
 
 
 @gpu
