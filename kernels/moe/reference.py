@@ -89,12 +89,17 @@ def moe_experts(
     """SwiGLU experts, unfinalized: rows [T, k, H], row (t, j) = expert ids[t, j] on x[t].
 
     `w13` [E, 2I, H] stacks gate then up; `w2` is [E, H, I]. Each GEMM output is rounded
-    to the activation dtype; the activation is `silu_mul` (one rounding).
+    to the activation dtype; the activation is `silu_mul` (one rounding). A pair whose id is
+    outside [0, E) (vLLM's -1: an expert not on this rank) gets a row of zeros, as the Triton
+    kernels' sorted blocks give; their scan and FMA paths and the CuTeDSL kernels read ids as
+    in range (the routing's top-k over E experts gives nothing else).
     """
     t, k = topk_ids.shape
     out = x.new_zeros(t, k, w2.shape[1])
     inter = w13.shape[1] // 2
     for e in topk_ids.unique().tolist():
+        if not 0 <= e < w13.shape[0]:
+            continue
         tok, slot = (topk_ids == e).nonzero(as_tuple=True)
         gu = x[tok] @ w13[e].t()
         out[tok, slot] = silu_mul(gu[:, :inter], gu[:, inter:]) @ w2[e].t()

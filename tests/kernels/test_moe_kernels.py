@@ -84,6 +84,21 @@ def check_case(tokens, hidden, inter, experts, top_k, fp4, combine, device, seed
     return err
 
 
+def test_reference_gives_pairs_on_no_expert_zero_rows():
+    """Ids -1 and E (no expert of this rank): zero rows, the other pairs as before. Before,
+    -1 indexed the last expert and E raised an IndexError."""
+    x, ids, wt, _, w13, w2 = make_moe(5, 64, 32, 4, 3, "cpu", 0)
+    cut = ids.clone()
+    cut[::2, 0], cut[1::2, 2] = -1, 4
+    rows, want = ref.moe_experts(x, w13, w2, cut), ref.moe_experts(x, w13, w2, ids)
+    off = (cut < 0) | (cut >= 4)
+    assert rows[off].eq(0).all() and torch.equal(rows[~off], want[~off])
+    # Through the sorted blocks (Triton's interpreter or the torch ops): the same pairs drop.
+    order, blocks = tk.sort_blocks_torch(cut.reshape(-1), 4, 8)
+    covered = {int(order[i]) for e, a, b in blocks.tolist() if e >= 0 for i in range(a, b)}
+    assert covered == set((~off).reshape(-1).nonzero().reshape(-1).tolist())
+
+
 # --- CPU: the kernels under Triton's interpreter ------------------------------------------
 
 _INTERPRETER_CASES = [
