@@ -453,7 +453,7 @@ def sort_timings(gen: torch.Generator) -> list[dict]:
         return sort
 
     out = []
-    for pairs in (64, 128, 256, 512, 1024, 2048, 4096, 16384, 65536):
+    for pairs in (64, 128, 256, 512, 1024, 2048, 4096, 16384, 65536, 131072):
         for bm in (cd.GROUP, 64):
             sets = [(torch.randint(0, EXPERTS, (pairs,), generator=gen, device="cuda",
                                    dtype=torch.int32),) for _ in range(8)]  # fmt: skip
