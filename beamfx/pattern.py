@@ -113,6 +113,14 @@ class Constraint:
     args: tuple[str, ...] = ()
 
 
+def _provably(cond) -> bool:
+    """A size relation, decided without guards: a symbolic size (a dynamic dim) counts only
+    where the shape environment proves it for every size (a rewrite then holds for all)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(cond))
+
+
 def dtype_in(arg: str, *dtypes: torch.dtype) -> Constraint:
     def check(args):
         dt = args[arg].dtype
@@ -127,7 +135,7 @@ def dtype_in(arg: str, *dtypes: torch.dtype) -> Constraint:
 def last_dim_at_most(arg: str, limit: int) -> Constraint:
     def check(args):
         n = args[arg].shape[-1]
-        return None if n <= limit else f"{arg} has last dim {n} > {limit}"
+        return None if _provably(n <= limit) else f"{arg} has last dim {n}, not provably <= {limit}"
 
     return Constraint(f"size({arg})", check, (arg,))
 
@@ -139,7 +147,10 @@ def same_size(*dims: tuple[str, int]) -> Constraint:
 
     def check(args):
         sizes = {f"{a}.shape[{d}]": args[a].shape[d] for a, d in dims}
-        return None if len(set(sizes.values())) == 1 else f"sizes differ: {sizes}"
+        first, *rest = sizes.values()
+        if all(_provably(first == s) for s in rest):
+            return None
+        return f"sizes not provably equal: {sizes}"
 
     name = "same_size(" + ", ".join(f"{a}[{d}]" for a, d in dims) + ")"
     return Constraint(name, check, tuple(a for a, _ in dims))
@@ -346,10 +357,12 @@ class FusionPass:
                 for k, v in match.kwargs.items()
             }
             for c in variant.rule.constraints:
+                if any(args.get(a) is None for a in c.args):
+                    continue  # this variant lacks (or has None for) an argument it reads
                 try:
                     why = c.check(args)
-                except (KeyError, AttributeError, IndexError, StopIteration):
-                    continue  # this variant lacks the argument the constraint reads
+                except Exception as e:  # a constraint that cannot decide proves nothing
+                    why = f"the constraint raised {type(e).__name__}: {e}"
                 if why is not None:
                     return reject(match, why, c.name)
             return True

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from beamfx import ops as ir
 from beamfx.passes import PASSES, UnknownPassError, get_pass, resolve
-from beamfx.pattern import Act, FusionPass, H, T, dtype_in, last_dim_at_most
+from beamfx.pattern import Act, Constraint, FusionPass, H, T, dtype_in, last_dim_at_most, same_size
 from beamfx.pipeline import PassManager
 from beamfx.testing import assert_fusion, compile_with
 from beamfx.testing import strategies as bst
@@ -474,3 +474,55 @@ def test_before_wait_copies_only_strided_operands():
     assert a is flat and b is None and c is flat and not copied
     (a, b), copied = before_wait(flat, strided)
     assert a is flat and b.is_contiguous() and torch.equal(b, strided) and copied
+
+
+def _rows_pass(*constraints):
+    p = FusionPass("rows", "relu(x) + y -> relu(x) + y, under size constraints")
+
+    @p.rule(replace=lambda x, y: torch.relu(x) + y, constraints=list(constraints))
+    def relu_add(x: Act[T, H], y: Act[T, H]):
+        return torch.relu(x) + y
+
+    return p
+
+
+def _compile_rows(p, x, y, dynamic):
+    torch.compiler.reset()
+    x, y = x.clone(), y.clone()  # a dynamic mark stays on the tensor
+    for t in (x, y) if dynamic else ():
+        torch._dynamo.mark_dynamic(t, 0)
+    compiled, manager = compile_with(lambda x, y: torch.relu(x) + y, [p], explain=True)
+    assert torch.equal(compiled(x, y), torch.relu(x) + y)
+    (report,) = manager.reports
+    return report.matches("rows"), report.explain
+
+
+def test_size_constraints_on_dynamic_dims_decide_without_guards():
+    """`same_size` hashed the sizes: a dynamic dim (a SymInt) made it raise and the whole
+    compile failed. Sizes are compared without guards now: equal symbols fuse, a dynamic
+    dim against a static one is refused (not provable for every size) and explained."""
+    x, y = bst.randn(6, 6, seed=1).float(), bst.randn(6, 6, seed=2).float()
+    rows = _rows_pass(same_size(("x", 0), ("y", 0)))
+    assert _compile_rows(rows, x, y, dynamic=True) == (1, [])
+    square = _rows_pass(same_size(("x", 0), ("x", 1)), last_dim_at_most("x", 8))
+    assert _compile_rows(square, x, y, dynamic=False) == (1, [])
+    matches, explain = _compile_rows(square, x, y, dynamic=True)
+    (why,) = explain
+    assert matches == 0 and why.constraint == "same_size(x[0], x[1])"
+    assert "not provably equal" in why.reason
+
+
+def test_a_constraint_that_raises_refuses_the_match():
+    """A pass author's constraint that raises (here on a bad assumption) leaves the graph
+    unchanged and says why; it used to propagate out of the compile (or, for KeyError and
+    the like, let the match through unchecked)."""
+
+    def needs_a_name(args):
+        return None if args["x"].names[0] == "rows" else "x's rows are unnamed"
+
+    x, y = bst.randn(4, 8, seed=1).float(), bst.randn(4, 8, seed=2).float()
+    matches, explain = _compile_rows(_rows_pass(Constraint("named", needs_a_name, ("x",))), x, y,
+                                     dynamic=False)  # fmt: skip
+    (why,) = explain
+    assert matches == 0 and why.constraint == "named"
+    assert why.reason.startswith("the constraint raised")
