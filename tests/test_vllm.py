@@ -161,6 +161,29 @@ def test_uuid_follows_pass_list(integration):
     assert configs[0].compute_hash() != configs[1].compute_hash()
 
 
+@pytest.mark.parametrize(
+    "options, refused",
+    [
+        (dict(), None),
+        (dict(tensor_parallel_size=2, data_parallel_size=2), None),
+        (dict(pipeline_parallel_size=2), "pipeline_parallel_size=2"),
+        (dict(enable_expert_parallel=True), "--enable-expert-parallel"),
+    ],
+)
+def test_the_model_refuses_parallelism_it_does_not_implement(integration, options, refused):
+    """vLLM's own ParallelConfig: expert parallelism was ignored (every rank still held its
+    tensor-parallel share of all experts), so a user who asked for it did not get it."""
+    from vllm.config import ParallelConfig
+
+    from beamfx.integrations.vllm_model import check_parallel
+
+    if refused is None:
+        check_parallel(ParallelConfig(**options))
+    else:
+        with pytest.raises(ValueError, match=refused):
+            check_parallel(ParallelConfig(**options))
+
+
 def test_plugin_registers_beam_once(integration):
     from importlib.metadata import entry_points
 

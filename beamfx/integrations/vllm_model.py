@@ -75,17 +75,27 @@ def tensor_parallel() -> beam.Parallel:
     return beam.Parallel(get_tensor_model_parallel_rank(), world_size, group_name)
 
 
+def check_parallel(parallel) -> None:
+    """The parallelism the model implements: tensor (and data) parallel engines only."""
+    if parallel.pipeline_parallel_size != 1:
+        raise ValueError(
+            f"beamfx's Beam runs without pipeline parallelism (got pipeline_parallel_size="
+            f"{parallel.pipeline_parallel_size}): use tensor parallelism (-tp) instead"
+        )
+    if getattr(parallel, "enable_expert_parallel", False):
+        raise ValueError(
+            "beamfx's Beam shards every expert over the tensor-parallel ranks; it has no "
+            "expert parallelism (got enable_expert_parallel=True): serve it without "
+            "--enable-expert-parallel"
+        )
+
+
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0})
 class BeamForCausalLM(beam.BeamForCausalLM):
     """vLLM's interface over the plain model: `forward` returns the final hidden states."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        if vllm_config.parallel_config.pipeline_parallel_size != 1:
-            raise ValueError(
-                f"beamfx's Beam runs without pipeline parallelism (got pipeline_parallel_size="
-                f"{vllm_config.parallel_config.pipeline_parallel_size}): use tensor "
-                "parallelism (-tp) instead"
-            )
+        check_parallel(vllm_config.parallel_config)
         # Before the compile wrapper (set up after this __init__) reads Inductor's options.
         integration.bind(vllm_config)
         config = beam_config(vllm_config.model_config.hf_config)
