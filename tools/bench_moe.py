@@ -372,6 +372,8 @@ def main() -> None:
         help="CuTeDSL per pair against blocks of pairs, and the sort alone (one launch or torch)",
     )
     ap.add_argument("--sort", action="store_true", help="only time the sort into blocks")
+    ap.add_argument("--sort-pairs", nargs="*", type=int, default=SORT_PAIRS,
+                    help="pair counts for --sort")  # fmt: skip
     ap.add_argument("--shapes", nargs="*", choices=list(SHAPES), help="shapes (default: all)")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -381,7 +383,7 @@ def main() -> None:
                         experts=EXPERTS)  # fmt: skip
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "moe_sort.json"), "w") as f:
-            json.dump(dict(meta=meta, rows=sort_timings(gen)), f, indent=1)
+            json.dump(dict(meta=meta, rows=sort_timings(gen, args.sort_pairs)), f, indent=1)
         return
     bw, mm = copy_bandwidth(), matmul_rate()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
@@ -437,7 +439,10 @@ def run_meta(**more) -> dict:
     )
 
 
-def sort_timings(gen: torch.Generator) -> list[dict]:
+SORT_PAIRS = (64, 128, 256, 512, 1024, 2048, 4096, 16384, 65536, 131072)
+
+
+def sort_timings(gen: torch.Generator, counts=SORT_PAIRS) -> list[dict]:
     """`sort_blocks` alone, per call (graph replay): the default path (`tk.sort_path`), the
     three chunked launches forced on, the chunked launches off (one program, or the torch
     ops past SORT_ONE_PROGRAM_PAIRS), and the torch ops."""
@@ -453,7 +458,7 @@ def sort_timings(gen: torch.Generator) -> list[dict]:
         return sort
 
     out = []
-    for pairs in (64, 128, 256, 512, 1024, 2048, 4096, 16384, 65536, 131072):
+    for pairs in counts:
         for bm in (cd.GROUP, 64):
             sets = [(torch.randint(0, EXPERTS, (pairs,), generator=gen, device="cuda",
                                    dtype=torch.int32),) for _ in range(8)]  # fmt: skip
