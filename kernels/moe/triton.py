@@ -37,17 +37,17 @@ from beamfx.ops import Provider
 SCAN_MAX_PAIRS = 1024
 # Sorting pairs into blocks (`sort_blocks`, `sort_path`): one program for one chunk
 # (SORT_CHUNK pairs; 3.6-7.9 us at 64-1024 pairs on an H200, bench/NOTES.md MoE run 13), three
-# launches over chunks beyond, to SORT_MAX_CHUNKS chunks (12.8-22.7 us at 2048-65536 pairs
-# against the torch ops' 70-95, run 16), the torch ops beyond that or above SORT_MAX_EXPERTS
-# experts. SORT_CHUNKED_ON_GPU
+# launches over chunks beyond while the (chunk, bin) table fits one program (SORT_TABLE_CELLS:
+# 65536 pairs at 256 experts; 12.8-22.7 us at 2048-65536 pairs against the torch ops' 70-95,
+# run 16), the torch ops beyond that or above SORT_MAX_EXPERTS experts. SORT_CHUNKED_ON_GPU
 # off gives the one program up to SORT_ONE_PROGRAM_PAIRS instead (16.3 us at 2048 pairs,
 # 48.6 at 4096).
 SORT_ONE_PROGRAM_PAIRS = 4096
 SORT_CHUNK = 1024
-# The offsets kernel walks the (chunk, bin) table in blocks of at most SORT_TABLE_CELLS cells:
-# Triton 3.6 on an H100 stages a block's cumsum in shared memory, 4 bytes a cell (a whole
-# 128 x 512 table asked 256 KiB, over the 227 KiB limit; bench/NOTES.md MoE run 29).
-SORT_TABLE_CELLS = 1 << 14
+# Triton 3.6 on an H100 gives the offsets kernel a table of 128 x 512 cells 256 KiB of shared
+# memory (over the 227 KiB limit: OutOfResources at 65537 pairs, 256 experts); 64 x 512 and
+# 16 x 2048 fit. Triton 3.9 needs 256 bytes for either.
+SORT_TABLE_CELLS = 1 << 15
 SORT_MAX_CHUNKS = 128  # 131072 pairs: the most run on a GPU (the padding blocks grow with it)
 SORT_MAX_EXPERTS = 1024
 SORT_CHUNKED_ON_GPU = True
@@ -939,28 +939,19 @@ if triton is not None:
     @triton.jit
     def _sort_offsets_kernel(
         hist_ptr, meta_ptr, blocks_ptr, n_chunks, num_experts, n_blocks,
-        BM: tl.constexpr, C_BLOCK: tl.constexpr, B_PAD: tl.constexpr, NB_PAD: tl.constexpr,
+        BM: tl.constexpr, C_PAD: tl.constexpr, B_PAD: tl.constexpr, NB_PAD: tl.constexpr,
     ):  # fmt: skip
         # One program: where each (chunk, bin) starts in the sorted order (bins in order,
         # chunks in order within a bin), each bin's start and size, each expert's first
-        # block; the blocks past the last real one. The table is walked C_BLOCK chunks at a
-        # time (its cumsum goes through shared memory): once for the bins' totals, once for
-        # the starts.
+        # block; the blocks past the last real one.
+        c = tl.arange(0, C_PAD)[:, None]
         b = tl.arange(0, B_PAD)
-        bins = (b <= num_experts + 1)[None, :]
-        total = tl.zeros([B_PAD], tl.int32)
-        for c0 in range(0, n_chunks, C_BLOCK):
-            c = c0 + tl.arange(0, C_BLOCK)[:, None]
-            total += tl.sum(tl.load(hist_ptr + c * B_PAD + b[None, :], mask=(c < n_chunks) & bins,
-                                    other=0), 0)  # fmt: skip
+        inside = (c < n_chunks) & (b <= num_experts + 1)[None, :]
+        h = tl.load(hist_ptr + c * B_PAD + b[None, :], mask=inside, other=0)
+        total = tl.sum(h, 0)
         start = tl.cumsum(total, 0) - total
-        run = start
-        for c0 in range(0, n_chunks, C_BLOCK):
-            c = c0 + tl.arange(0, C_BLOCK)[:, None]
-            h = tl.load(hist_ptr + c * B_PAD + b[None, :], mask=(c < n_chunks) & bins, other=0)
-            tl.store(hist_ptr + c * B_PAD + b[None, :], run[None, :] + tl.cumsum(h, 0) - h,
-                     mask=c < n_chunks)  # fmt: skip
-            run += tl.sum(h, 0)
+        base = start[None, :] + tl.cumsum(h, 0) - h
+        tl.store(hist_ptr + c * B_PAD + b[None, :], base, mask=c < n_chunks)
         n_blk = tl.where((b >= 1) & (b <= num_experts), (total + BM - 1) // BM, 0)
         tl.store(meta_ptr + b, start)
         tl.store(meta_ptr + B_PAD + b, total)
@@ -1047,8 +1038,7 @@ def sort_blocks(flat_ids: torch.Tensor, num_experts: int, bm: int):
     _sort_count_kernel[(chunks,)](ids, hist, n, num_experts, CHUNK=SORT_CHUNK, B_PAD=b_pad)
     _sort_offsets_kernel[(1,)](
         hist, meta, blocks, chunks, num_experts, bound, BM=bm,
-        C_BLOCK=max(1, min(triton.next_power_of_2(chunks), SORT_TABLE_CELLS // b_pad)),
-        B_PAD=b_pad, NB_PAD=nb_pad, num_warps=16,
+        C_PAD=triton.next_power_of_2(chunks), B_PAD=b_pad, NB_PAD=nb_pad, num_warps=16,
     )  # fmt: skip
     _sort_scatter_kernel[(chunks,)](
         ids, hist, meta, order, blocks, n, num_experts, BM=bm, CHUNK=SORT_CHUNK, B_PAD=b_pad,
@@ -1067,7 +1057,10 @@ def sort_path(flat_ids: torch.Tensor, num_experts: int) -> str:
     if triton is None or not (flat_ids.is_cuda or _INTERPRET) or num_experts > SORT_MAX_EXPERTS:
         return "torch"
     chunks = -(-n // SORT_CHUNK)
-    if 1 < chunks <= SORT_MAX_CHUNKS and (_INTERPRET or SORT_CHUNKED_ON_GPU):
+    fits = chunks <= SORT_MAX_CHUNKS and (
+        triton.next_power_of_2(chunks) * _sort_bins_pad(num_experts) <= SORT_TABLE_CELLS
+    )
+    if chunks > 1 and fits and (_INTERPRET or SORT_CHUNKED_ON_GPU):
         return "chunked"
     return "one program" if n <= SORT_ONE_PROGRAM_PAIRS else "torch"
 

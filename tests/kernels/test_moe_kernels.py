@@ -195,12 +195,14 @@ def test_sort_path_on_the_gpu(monkeypatch):
             n: torch.empty(n, dtype=torch.int32, device="cuda")
             for n in (64, 1024, 1025, 4096, 4097)
         }
-        big = torch.empty(1 << 17, dtype=torch.int32, device="cuda")
-        bigger = torch.empty((1 << 17) + 1, dtype=torch.int32, device="cuda")
+        big = torch.empty(1 << 16, dtype=torch.int32, device="cuda")
+        bigger = torch.empty((1 << 16) + 1, dtype=torch.int32, device="cuda")
+        most = torch.empty(1 << 17, dtype=torch.int32, device="cuda")
     assert tk.sort_path(ids[64], 256) == tk.sort_path(ids[1024], 256) == "one program"
     assert tk.sort_path(ids[1025], 256) == tk.sort_path(big, 256) == "chunked"
-    assert tk.sort_path(big, 1024) == "chunked"
-    assert tk.sort_path(bigger, 256) == tk.sort_path(bigger, 8) == "torch"  # SORT_MAX_CHUNKS
+    assert tk.sort_path(bigger, 256) == "torch"  # the (chunk, bin) table would not fit
+    assert tk.sort_path(most, 8) == "chunked" and tk.sort_path(bigger, 8) == "chunked"
+    assert tk.sort_path(torch.empty((1 << 17) + 1, device="meta"), 8) == "torch"  # chunks
     assert tk.sort_path(ids[64], 1025) == "torch"  # too many experts
     assert tk.sort_path(torch.empty(64, dtype=torch.int32), 256) == "torch"  # CPU
     monkeypatch.setattr(tk, "SORT_CHUNKED_ON_GPU", False)
@@ -244,9 +246,7 @@ def sort_case(experts, bm, pairs, hi, device, path, seed=0):
     ids = ids.clamp(max=experts)
     ids = ids.to(device)
     if device == "cpu" and path == "chunked":
-        # Chunks of 64 pairs, the offsets kernel's table walked in blocks of 64 cells (one
-        # chunk a block from 32 bins on).
-        tk.SORT_ONE_PROGRAM_PAIRS = tk.SORT_CHUNK = tk.SORT_TABLE_CELLS = 64
+        tk.SORT_ONE_PROGRAM_PAIRS = tk.SORT_CHUNK = 64
     assert tk.sort_path(ids, experts) == path
     order, blocks = tk.sort_blocks(ids, experts, bm)
     want = tk.sort_blocks_torch(ids, experts, bm)
@@ -514,6 +514,14 @@ def test_sort_blocks_kernels_gpu(experts, bm, pairs, chunked, seed):
         tk.SORT_CHUNKED_ON_GPU = old
 
 
+def largest_chunked_sort(experts):
+    """The most pairs `sort_path` gives the chunked sort at this many experts."""
+    c = 1
+    while 2 * c <= tk.SORT_MAX_CHUNKS and 2 * c * tk._sort_bins_pad(experts) <= tk.SORT_TABLE_CELLS:
+        c *= 2
+    return c * tk.SORT_CHUNK
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("experts", [1, 8, 256, 257, 512, 1024])
@@ -521,7 +529,7 @@ def test_sort_blocks_kernels_gpu(experts, bm, pairs, chunked, seed):
 def test_sort_chunked_at_its_limits_gpu(experts, bm):
     """The chunked sort at the most pairs it takes compiles (the table's shared memory) and
     gives the torch ops' tensors; one pair more goes to the torch ops."""
-    pairs = tk.SORT_MAX_CHUNKS * tk.SORT_CHUNK
+    pairs = largest_chunked_sort(experts)
     sort_case(experts, bm, pairs, experts + 1, "cuda", "chunked")
     assert tk.sort_path(torch.empty(pairs + 1, device="cuda"), experts) == "torch"
 
