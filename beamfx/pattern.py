@@ -156,6 +156,50 @@ def same_size(*dims: tuple[str, int]) -> Constraint:
     return Constraint(name, check, tuple(a for a, _ in dims))
 
 
+def shapes_as_annotated(*names: str) -> Constraint:
+    """These arguments have the ranks their annotations give, and the dims that annotations
+    name alike agree (`x: Act[T, H]`, `residual: Act[T, H]`: the same T and H), decided
+    without guards. The matcher sees ops, not shapes: `x * xs + r * rs` with r [1, H] is the
+    same graph as with r [T, H], and a kernel that reads r's rows would read past it. Bound
+    to the rule's annotations where the rule is declared."""
+    return _AnnotatedShapes(f"shapes_as_annotated({', '.join(names)})", _unbound, names)
+
+
+def _unbound(args):
+    raise TypeError("shapes_as_annotated() is bound to a rule's annotations by FusionPass.rule")
+
+
+@dataclass(frozen=True)
+class _AnnotatedShapes(Constraint):
+    def bind(self, hints: dict[str, Any], optional: set[str]) -> Constraint:
+        specs = {n: hints[n] for n in self.args}
+        bad = [n for n, t in specs.items() if not isinstance(t, TensorSpec)]
+        if bad:
+            raise TypeError(f"{self.name}: {', '.join(bad)} are not tensors (Act[...] etc.)")
+
+        def check(args):
+            seen: dict[str, tuple[str, Any]] = {}
+            for n, spec in specs.items():
+                shape = args[n].shape if args.get(n) is not None else None
+                if shape is None:
+                    continue  # an absent optional piece
+                if len(shape) != len(spec.dims):
+                    return f"{n} is {tuple(shape)}, not rank {len(spec.dims)} as {spec.dims}"
+                for d, size in zip(spec.dims, shape):
+                    if d not in seen:
+                        seen[d] = (n, size)
+                    elif not _provably(seen[d][1] == size):
+                        other, first = seen[d]
+                        return (
+                            f"dim {d.upper()} is {first} in {other} and {size} in {n}, not "
+                            f"provably equal (broadcast or another shape)"
+                        )
+            return None
+
+        # An absent optional piece is skipped by `check`, not the whole constraint.
+        return Constraint(self.name, check, tuple(n for n in self.args if n not in optional))
+
+
 def same_device(*names: str) -> Constraint:
     def check(args):
         devs = {str(args[n].device) for n in names if args.get(n) is not None}
@@ -266,9 +310,14 @@ class FusionPass:
                         f"{', '.join(map(repr, unknown))}, which is not a parameter of "
                         f"{search.__name__} ({', '.join(params)}); name one of those"
                     )
-            self.rules.append(
-                Rule(name or search.__name__, search, replace, constraints, dtypes, hints)
-            )
+            optional = {
+                n for n, p in inspect.signature(search).parameters.items() if p.default is None
+            }
+            bound = [
+                c.bind(hints, optional) if isinstance(c, _AnnotatedShapes) else c
+                for c in constraints
+            ]
+            self.rules.append(Rule(name or search.__name__, search, replace, bound, dtypes, hints))
             self._matcher = None
             return search
 

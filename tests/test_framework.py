@@ -9,7 +9,17 @@ from hypothesis import strategies as st
 
 from beamfx import ops as ir
 from beamfx.passes import PASSES, UnknownPassError, get_pass, resolve
-from beamfx.pattern import Act, Constraint, FusionPass, H, T, dtype_in, last_dim_at_most, same_size
+from beamfx.pattern import (
+    Act,
+    Constraint,
+    FusionPass,
+    H,
+    T,
+    dtype_in,
+    last_dim_at_most,
+    same_size,
+    shapes_as_annotated,
+)
 from beamfx.pipeline import PassManager
 from beamfx.testing import assert_fusion, compile_with
 from beamfx.testing import strategies as bst
@@ -526,3 +536,22 @@ def test_a_constraint_that_raises_refuses_the_match():
     (why,) = explain
     assert matches == 0 and why.constraint == "named"
     assert why.reason.startswith("the constraint raised")
+
+
+def test_shapes_as_annotated_refuses_what_the_annotations_do_not_say():
+    """The matcher sees ops: `relu(x) + y` with y [1, H] or [H] broadcast is the rule's graph.
+    `shapes_as_annotated` refuses ranks and like-named dims that differ, and says which."""
+    x = bst.randn(4, 8, seed=1).float()
+    rows = _rows_pass(shapes_as_annotated("x", "y"))
+    assert _compile_rows(rows, x, bst.randn(4, 8, seed=2).float(), dynamic=True) == (1, [])
+    for shape, why in (((1, 8), "dim T is 4 in x and 1 in y"), ((8,), "y is (8,), not rank 2")):
+        matches, explain = _compile_rows(rows, x, bst.randn(*shape, seed=2).float(), False)
+        (refused,) = explain
+        assert matches == 0 and why in refused.reason, refused.reason
+    scaled = FusionPass("scaled", "relu(x) * s, x shaped as annotated")
+    with pytest.raises(TypeError, match="s are not tensors"):
+
+        @scaled.rule(replace=lambda x, s: torch.relu(x) * s,
+                     constraints=[shapes_as_annotated("x", "s")])  # fmt: skip
+        def relu_scale(x: Act[T, H], s: float):
+            return torch.relu(x) * s
