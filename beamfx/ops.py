@@ -199,13 +199,33 @@ def _like(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
+def _same_shape(op: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    """The op's contract: these inputs have one shape (no broadcasting). Checked while
+    tracing: a dynamic dim then carries the equality (as an aten add's own check would),
+    which the passes' shape constraints prove from."""
+    torch._check(a.dim() == b.dim(), lambda: f"{op}: {tuple(a.shape)} against {tuple(b.shape)}")
+    for i in range(a.dim()):
+        torch._check(a.shape[i] == b.shape[i],
+                     lambda: f"{op}: {tuple(a.shape)} against {tuple(b.shape)}")  # fmt: skip
+
+
+def _add_fake(x, r, xs, rs):
+    _same_shape("scaled_residual_add", x, r)
+    return _like(x)
+
+
 # --- semantic ops: what the plain model calls --------------------------------------------
 
 RMS_NORM = _define("rms_norm", norm_ref.rms_norm, lambda x, w, eps: _like(x))
-SILU_MUL = _define("silu_mul", norm_ref.silu_mul, lambda g, u: _like(g))
-SCALED_ADD = _define(
-    "scaled_residual_add", boundary_ref.scaled_residual_add, lambda x, r, xs, rs: _like(x)
-)
+
+
+def _silu_mul_fake(g, u):
+    _same_shape("silu_mul", g, u)
+    return _like(g)
+
+
+SILU_MUL = _define("silu_mul", norm_ref.silu_mul, _silu_mul_fake)
+SCALED_ADD = _define("scaled_residual_add", boundary_ref.scaled_residual_add, _add_fake)
 ALL_REDUCE = _define("all_reduce", boundary_ref.all_reduce, lambda x, g: _like(x))
 ROUTER_LOGITS = _define(
     "router_logits",

@@ -8,7 +8,7 @@ it too, but drops the roundings between the add, the sigmoid and the product.
 import torch
 
 from beamfx import ops as ir
-from beamfx.pattern import Act, D, FusionPass, N, T, dtype_in
+from beamfx.pattern import Act, D, FusionPass, N, T, dtype_in, shapes_as_annotated
 
 PASS = FusionPass(
     "attn_gate",
@@ -17,6 +17,7 @@ PASS = FusionPass(
 )
 
 
-@PASS.rule(replace=ir.attn_gate, constraints=[dtype_in("out", torch.bfloat16, torch.float16)])
+@PASS.rule(replace=ir.attn_gate, constraints=[dtype_in("out", torch.bfloat16, torch.float16),
+           shapes_as_annotated("out", "gate", "bias")])  # fmt: skip
 def gate(out: Act[T, N, D], gate: Act[T, N, D], bias: Act[N]):
     return out * torch.sigmoid(gate + bias.view(1, -1, 1))

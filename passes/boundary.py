@@ -8,7 +8,7 @@ variants; epsilons, residual scales and the routed scale are captured from the g
 import torch
 
 from beamfx import ops as ir
-from beamfx.pattern import F32, Act, FusionPass, H, K, T, dtype_in, kernel_for
+from beamfx.pattern import F32, Act, FusionPass, H, K, T, dtype_in, kernel_for, shapes_as_annotated
 
 PASS = FusionPass(
     "boundary",
@@ -39,7 +39,8 @@ CONSTRAINTS = [
 ]  # fmt: skip
 
 
-@PASS.rule(replace=fused, constraints=CONSTRAINTS)
+@PASS.rule(replace=fused, constraints=[*CONSTRAINTS, shapes_as_annotated("x", "residual", "w_post",
+           "w_next")])  # fmt: skip
 def dense(x: Act[T, H], residual: Act[T, H], w_post: Act[H], eps_post: float, x_scale: float,
           residual_scale: float, group_name: str | None = None, w_next: Act[H] | None = None,
           eps_next: float = 0.0):  # fmt: skip
@@ -48,7 +49,8 @@ def dense(x: Act[T, H], residual: Act[T, H], w_post: Act[H], eps_post: float, x_
     return sandwich(x, residual, w_post, eps_post, x_scale, residual_scale, w_next, eps_next)
 
 
-@PASS.rule(replace=fused, constraints=CONSTRAINTS)
+@PASS.rule(replace=fused, constraints=[*CONSTRAINTS, shapes_as_annotated("x", "topk_weights",
+           "residual", "w_post", "w_next")])  # fmt: skip
 def moe(x: Act[T, K, H], topk_weights: F32[T, K], routed_scale: float, residual: Act[T, H],
         w_post: Act[H], eps_post: float, x_scale: float, residual_scale: float,
         group_name: str | None = None, w_next: Act[H] | None = None,

@@ -11,7 +11,7 @@ fp32 linear is every other projection of an fp32 model too.
 import torch
 
 from beamfx import ops
-from beamfx.pattern import F32, Act, E, FusionPass, H, I, K, T  # noqa: E741
+from beamfx.pattern import F32, Act, E, FusionPass, H, I, K, T, shapes_as_annotated  # noqa: E741
 
 PASS = FusionPass("canonicalize", "plain-torch decompositions of Beam IR math -> Beam IR ops")
 
@@ -27,8 +27,16 @@ RAISE = {
 }
 
 DTYPES = {"router_logits": (torch.bfloat16, torch.float16)}
+# The ops whose output takes one input's shape: a broadcast other input stays plain torch.
+SHAPES = {
+    "silu_mul": [shapes_as_annotated("gate", "up")],
+    "scaled_residual_add": [shapes_as_annotated("x", "residual")],
+}
 
 for _name, _specs in RAISE.items():
     _op = ops.REGISTRY[_name]
     _dtypes = DTYPES.get(_name, (torch.bfloat16, torch.float16, torch.float32))
-    PASS.rule(replace=_op.op, specs=_specs, name=_name, dtypes=_dtypes)(_op.reference)
+    _constraints = SHAPES.get(_name, [])
+    PASS.rule(replace=_op.op, specs=_specs, name=_name, dtypes=_dtypes, constraints=_constraints)(
+        _op.reference
+    )

@@ -9,14 +9,15 @@ bf16 pieces (kernels/router/triton.py).
 import torch
 
 from beamfx import ops as ir
-from beamfx.pattern import F32, Act, AnyFloat, E, FusionPass, H, T, dtype_in
+from beamfx.pattern import F32, Act, AnyFloat, E, FusionPass, H, T, dtype_in, shapes_as_annotated
 
 PASS = FusionPass(
     "router_gemm",
     "router GEMM (bf16 x fp32 -> fp32 logits) -> router_gemm; with the sigmoid grouped "
     "top-k routing after it -> routed_topk",
 )
-CONSTRAINTS = [dtype_in("x", torch.bfloat16, torch.float16, torch.float32)]
+CONSTRAINTS = [dtype_in("x", torch.bfloat16, torch.float16, torch.float32),
+               shapes_as_annotated("x", "weight")]  # fmt: skip
 
 
 @PASS.rule(replace=lambda x, weight: ir.router_gemm(x, weight), constraints=CONSTRAINTS)
@@ -24,7 +25,8 @@ def logits(x: Act[T, H], weight: AnyFloat[E, H]):
     return ir.router_logits(x, weight)
 
 
-@PASS.rule(replace=ir.routed_topk, constraints=CONSTRAINTS)
+@PASS.rule(replace=ir.routed_topk, constraints=[*CONSTRAINTS, shapes_as_annotated("x", "weight",
+           "correction_bias")])  # fmt: skip
 def routed(x: Act[T, H], weight: AnyFloat[E, H], correction_bias: F32[E], top_k: int,
            n_group: int, topk_group: int, renormalize: bool):  # fmt: skip
     logits = ir.router_logits(x, weight)

@@ -92,6 +92,36 @@ def test_unsupported_dtype_is_left_unfused_and_explained():
     assert "float32" in explained[0].reason
 
 
+@pytest.mark.parametrize("shape", [(1, 32), (32,)])
+def test_a_broadcast_residual_is_left_unfused(shape):
+    """Plain torch with the residual [1, H] or [H] broadcast against x [T, H]: it was raised
+    to `scaled_residual_add` (whose output takes x's shape) and fused, and the fused op
+    (shaped as the residual) failed Inductor's size assertion at run time. Canonicalize's
+    shape constraint now keeps the broadcast add plain; the output is the unfused one."""
+    x, r, w = bst.randn(4, 32, seed=1), bst.randn(*shape, seed=2), bst.randn(32, seed=3)
+
+    def plain(x, r):
+        a = (ir.rms_norm(x, w, 1e-6).float() * 0.5).to(torch.bfloat16)
+        b = (r.float() * 0.75).to(torch.bfloat16)
+        h = (a.float() + b.float()).to(torch.bfloat16)
+        return h, ir.rms_norm(h, w, 1e-6)
+
+    # Unfused, the output is Inductor's own code: bitwise eager from torch 2.13 (see
+    # test_framework's boundary tests for 2.11's drift).
+    tolerance = (2**-6, 2**-7) if torch.__version__ < "2.13" else "bitwise"
+    res = assert_fusion(plain, (x, r), "boundary", matches=0, tolerance=tolerance)
+    assert res.manager.reports[0].matches("canonicalize") == 0
+
+
+def test_the_residual_add_op_refuses_a_broadcast_while_tracing():
+    """`scaled_residual_add` takes x and the residual of one shape: its fake implementation
+    says so (a dynamic dim then carries the equality the boundary's constraint proves)."""
+    x, r, w = bst.randn(4, 32, seed=1), bst.randn(1, 32, seed=2), bst.randn(32, seed=3)
+    with pytest.raises(Exception, match=r"scaled_residual_add: \(4, 32\) against \(1, 32\)"):
+        assert_fusion(lambda x, r: sandwich(x, r, w, w, 1e-6, (0.5, 0.75)), (x, r), "boundary",
+                      matches=0)  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("frontend", ["semantic", "torch"])
 def test_fires_twice_per_layer_on_the_tiny_model(tiny_checkpoint, tiny_prompt, frontend):
