@@ -255,11 +255,15 @@ MOE_EXPERTS = _define(
     lambda x, w13, w2, ids: x.new_empty(ids.shape[0], ids.shape[1], w2.shape[1]),
     lower=False,
 )
-MOE_FINALIZE = _define(
-    "moe_finalize",
-    moe_ref.moe_finalize,
-    lambda rows, w, s: rows.new_empty(rows.shape[0], rows.shape[2]),
-)
+
+
+def _finalize_fake(rows, w, s):
+    # rows [T, k, H] and weights [T, k]: the output takes rows' tokens.
+    _same_shape("moe_finalize", rows[..., 0], w)
+    return rows.new_empty(rows.shape[0], rows.shape[2])
+
+
+MOE_FINALIZE = _define("moe_finalize", moe_ref.moe_finalize, _finalize_fake)
 
 
 # --- fused ops: what the passes rewrite to ------------------------------------------------

@@ -31,6 +31,7 @@ DTYPES = {"router_logits": (torch.bfloat16, torch.float16)}
 SHAPES = {
     "silu_mul": [shapes_as_annotated("gate", "up")],
     "scaled_residual_add": [shapes_as_annotated("x", "residual")],
+    "moe_finalize": [shapes_as_annotated("rows", "topk_weights")],
 }
 
 for _name, _specs in RAISE.items():

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from beamfx import ops as ir
-from beamfx.testing import assert_fusion
+from beamfx.testing import assert_fusion, compile_with
 from beamfx.testing import strategies as bst
 
 
@@ -120,6 +120,16 @@ def test_the_residual_add_op_refuses_a_broadcast_while_tracing():
     with pytest.raises(Exception, match=r"scaled_residual_add: \(4, 32\) against \(1, 32\)"):
         assert_fusion(lambda x, r: sandwich(x, r, w, w, 1e-6, (0.5, 0.75)), (x, r), "boundary",
                       matches=0)  # fmt: skip
+
+
+def test_the_finalize_op_refuses_weights_of_other_tokens_while_tracing():
+    """`moe_finalize` takes rows [T, k, H] and weights [T, k]; its output takes the rows'
+    tokens, so weights of other tokens (a broadcast) are refused while tracing, not given a
+    wrong output shape."""
+    rows, w = bst.randn(1, 2, 32, seed=1), bst.randn(4, 2, dtype=torch.float32, seed=2)
+    compiled, _ = compile_with(lambda r, w: ir.moe_finalize(r, w, 2.5), ())
+    with pytest.raises(Exception, match=r"moe_finalize: \(1, 2\) against \(4, 2\)"):
+        compiled(rows, w)
 
 
 @pytest.mark.slow
