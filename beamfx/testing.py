@@ -198,6 +198,23 @@ class strategies:  # noqa: N801 (a namespace: `bst.token_counts()`)
         )
 
     @staticmethod
+    def broadcast_partners(shape: tuple[int, ...]):
+        """Shapes an operand may take beside one of `shape` and still broadcast to it:
+        `shape` itself, with leading dims dropped, or with dims set to 1. The matcher sees ops,
+        not shapes, so a fusion test draws these to check a rewrite refuses all but `shape`."""
+        from hypothesis import strategies as st
+
+        def partner(keep: int, ones: list[bool]) -> tuple[int, ...]:
+            tail = shape[len(shape) - keep :]
+            return tuple(1 if one else n for n, one in zip(tail, ones))
+
+        return st.integers(1, len(shape)).flatmap(
+            lambda keep: st.lists(st.booleans(), min_size=keep, max_size=keep).map(
+                lambda ones: partner(keep, ones)
+            )
+        ) | st.just(tuple(shape))
+
+    @staticmethod
     def routed_scales():
         from hypothesis import strategies as st
 

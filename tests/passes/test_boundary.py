@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from beamfx import ops as ir
@@ -111,6 +111,28 @@ def test_a_broadcast_residual_is_left_unfused(shape):
     tolerance = (2**-6, 2**-7) if torch.__version__ < "2.13" else "bitwise"
     res = assert_fusion(plain, (x, r), "boundary", matches=0, tolerance=tolerance)
     assert res.manager.reports[0].matches("canonicalize") == 0
+
+
+@settings(max_examples=8)
+@given(t=bst.token_counts(16), hidden=bst.hidden_sizes(), scales=bst.residual_scales(),
+       data=st.data(), seed=st.integers(0, 2**16))  # fmt: skip
+def test_a_plain_boundary_fuses_exactly_where_the_residual_is_x_shaped(t, hidden, scales, data,
+                                                                       seed):  # fmt: skip
+    """Plain torch, any residual shape that broadcasts against x [T, H]: one fusion where it
+    is [T, H], none otherwise, and the output is eager's either way."""
+    shape = data.draw(bst.broadcast_partners((t, hidden)), label="residual shape")
+    x, r = bst.randn(t, hidden, seed=seed), bst.randn(*shape, seed=seed + 1)
+    w = bst.randn(hidden, seed=seed + 2)
+
+    def plain(x, r):
+        a = (ir.rms_norm(x, w, 1e-6).float() * scales[0]).to(torch.bfloat16)
+        b = (r.float() * scales[1]).to(torch.bfloat16)
+        h = (a.float() + b.float()).to(torch.bfloat16)
+        return h, ir.rms_norm(h, w, 1e-6)
+
+    fuses = tuple(shape) == (t, hidden)
+    tolerance = "bitwise" if fuses or torch.__version__ >= "2.13" else (2**-6, 2**-7)
+    assert_fusion(plain, (x, r), "boundary", matches=int(fuses), tolerance=tolerance)
 
 
 def test_the_residual_add_op_refuses_a_broadcast_while_tracing():
