@@ -162,16 +162,33 @@ def _install_providers() -> None:
                 REGISTRY[op_name].add_provider(provider)
 
 
-def _define(name: str, reference: Callable, fake: Callable, *, lower: bool = True) -> OpDef:
+def _define(
+    name: str,
+    reference: Callable,
+    fake: Callable,
+    *,
+    lower: bool = True,
+    check: Callable | None = None,
+) -> OpDef:
+    """The op `beamfx::name`. `check(*args)`, where given, holds the arguments to the op's
+    contract in eager calls and while tracing alike (the reference alone may broadcast)."""
     opdef = OpDef(name, reference, lower)
     qual = f"{NAMESPACE}::{name}"
 
     def impl(*args):
+        if check is not None:
+            check(*args)
         return opdef.dispatch(*args)
 
+    def checked_fake(*args):
+        if check is not None:
+            check(*args)
+        return fake(*args)
+
     impl.__signature__ = _signature_of(reference)
+    checked_fake.__signature__ = impl.__signature__
     torch.library.custom_op(qual, impl, mutates_args=())
-    torch.library.register_fake(qual)(fake)
+    torch.library.register_fake(qual)(checked_fake)
     opdef.op = getattr(getattr(torch.ops, NAMESPACE), name)
     REGISTRY[name] = opdef
     return opdef
@@ -200,18 +217,13 @@ def _like(x: torch.Tensor) -> torch.Tensor:
 
 
 def _same_shape(op: str, a: torch.Tensor, b: torch.Tensor) -> None:
-    """The op's contract: these inputs have one shape (no broadcasting). Checked while
-    tracing: a dynamic dim then carries the equality (as an aten add's own check would),
-    which the passes' shape constraints prove from."""
+    """The op's contract: these inputs have one shape (no broadcasting). While tracing, a
+    dynamic dim then carries the equality (as an aten add's own check would), which the
+    passes' shape constraints prove from."""
     torch._check(a.dim() == b.dim(), lambda: f"{op}: {tuple(a.shape)} against {tuple(b.shape)}")
     for i in range(a.dim()):
         torch._check(a.shape[i] == b.shape[i],
                      lambda: f"{op}: {tuple(a.shape)} against {tuple(b.shape)}")  # fmt: skip
-
-
-def _add_fake(x, r, xs, rs):
-    _same_shape("scaled_residual_add", x, r)
-    return _like(x)
 
 
 # --- semantic ops: what the plain model calls --------------------------------------------
@@ -219,13 +231,18 @@ def _add_fake(x, r, xs, rs):
 RMS_NORM = _define("rms_norm", norm_ref.rms_norm, lambda x, w, eps: _like(x))
 
 
-def _silu_mul_fake(g, u):
-    _same_shape("silu_mul", g, u)
-    return _like(g)
-
-
-SILU_MUL = _define("silu_mul", norm_ref.silu_mul, _silu_mul_fake)
-SCALED_ADD = _define("scaled_residual_add", boundary_ref.scaled_residual_add, _add_fake)
+SILU_MUL = _define(
+    "silu_mul",
+    norm_ref.silu_mul,
+    lambda g, u: _like(g),
+    check=lambda g, u: _same_shape("silu_mul", g, u),
+)
+SCALED_ADD = _define(
+    "scaled_residual_add",
+    boundary_ref.scaled_residual_add,
+    lambda x, r, xs, rs: _like(x),
+    check=lambda x, r, xs, rs: _same_shape("scaled_residual_add", x, r),
+)
 ALL_REDUCE = _define("all_reduce", boundary_ref.all_reduce, lambda x, g: _like(x))
 ROUTER_LOGITS = _define(
     "router_logits",
@@ -257,13 +274,13 @@ MOE_EXPERTS = _define(
 )
 
 
-def _finalize_fake(rows, w, s):
+MOE_FINALIZE = _define(
+    "moe_finalize",
+    moe_ref.moe_finalize,
+    lambda rows, w, s: rows.new_empty(rows.shape[0], rows.shape[2]),
     # rows [T, k, H] and weights [T, k]: the output takes rows' tokens.
-    _same_shape("moe_finalize", rows[..., 0], w)
-    return rows.new_empty(rows.shape[0], rows.shape[2])
-
-
-MOE_FINALIZE = _define("moe_finalize", moe_ref.moe_finalize, _finalize_fake)
+    check=lambda rows, w, s: _same_shape("moe_finalize", rows[..., 0], w),
+)
 
 
 # --- fused ops: what the passes rewrite to ------------------------------------------------

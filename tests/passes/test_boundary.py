@@ -135,22 +135,29 @@ def test_a_plain_boundary_fuses_exactly_where_the_residual_is_x_shaped(t, hidden
     assert_fusion(plain, (x, r), "boundary", matches=int(fuses), tolerance=tolerance)
 
 
-def test_the_residual_add_op_refuses_a_broadcast_while_tracing():
-    """`scaled_residual_add` takes x and the residual of one shape: its fake implementation
-    says so (a dynamic dim then carries the equality the boundary's constraint proves)."""
+def test_the_residual_add_op_takes_one_shape_eager_and_compiled():
+    """`scaled_residual_add` takes x and the residual of one shape, in eager calls and while
+    tracing alike (where a dynamic dim then carries the equality the boundary's constraint
+    proves); its reference alone would broadcast."""
     x, r, w = bst.randn(4, 32, seed=1), bst.randn(1, 32, seed=2), bst.randn(32, seed=3)
-    with pytest.raises(Exception, match=r"scaled_residual_add: \(4, 32\) against \(1, 32\)"):
-        assert_fusion(lambda x, r: sandwich(x, r, w, w, 1e-6, (0.5, 0.75)), (x, r), "boundary",
-                      matches=0)  # fmt: skip
+    refused = r"scaled_residual_add: \(4, 32\) against \(1, 32\)"
+    with pytest.raises(RuntimeError, match=refused):
+        ir.scaled_residual_add(x, r, 0.5, 0.75)
+    compiled, _ = compile_with(lambda x, r: sandwich(x, r, w, w, 1e-6, (0.5, 0.75)), "boundary")
+    with pytest.raises(Exception, match=refused):
+        compiled(x, r)
 
 
-def test_the_finalize_op_refuses_weights_of_other_tokens_while_tracing():
+def test_the_finalize_op_refuses_weights_of_other_tokens():
     """`moe_finalize` takes rows [T, k, H] and weights [T, k]; its output takes the rows'
-    tokens, so weights of other tokens (a broadcast) are refused while tracing, not given a
-    wrong output shape."""
+    tokens, so weights of other tokens (a broadcast) are refused, eager and compiled, not
+    given a wrong output shape."""
     rows, w = bst.randn(1, 2, 32, seed=1), bst.randn(4, 2, dtype=torch.float32, seed=2)
+    refused = r"moe_finalize: \(1, 2\) against \(4, 2\)"
+    with pytest.raises(RuntimeError, match=refused):
+        ir.moe_finalize(rows, w, 2.5)
     compiled, _ = compile_with(lambda r, w: ir.moe_finalize(r, w, 2.5), ())
-    with pytest.raises(Exception, match=r"moe_finalize: \(1, 2\) against \(4, 2\)"):
+    with pytest.raises(Exception, match=refused):
         compiled(rows, w)
 
 
