@@ -229,8 +229,6 @@ def _same_shape(op: str, a: torch.Tensor, b: torch.Tensor) -> None:
 # --- semantic ops: what the plain model calls --------------------------------------------
 
 RMS_NORM = _define("rms_norm", norm_ref.rms_norm, lambda x, w, eps: _like(x))
-
-
 SILU_MUL = _define(
     "silu_mul",
     norm_ref.silu_mul,
@@ -272,8 +270,6 @@ MOE_EXPERTS = _define(
     lambda x, w13, w2, ids: x.new_empty(ids.shape[0], ids.shape[1], w2.shape[1]),
     lower=False,
 )
-
-
 MOE_FINALIZE = _define(
     "moe_finalize",
     moe_ref.moe_finalize,

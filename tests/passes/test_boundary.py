@@ -92,6 +92,19 @@ def test_unsupported_dtype_is_left_unfused_and_explained():
     assert "float32" in explained[0].reason
 
 
+def plain_sandwich(w, scales):
+    """A bf16 boundary with the residual add in plain torch (canonicalize raises it to
+    `scaled_residual_add` where the shapes allow), the norms as Beam IR."""
+
+    def plain(x, r):
+        a = (ir.rms_norm(x, w, 1e-6).float() * scales[0]).to(torch.bfloat16)
+        b = (r.float() * scales[1]).to(torch.bfloat16)
+        h = (a.float() + b.float()).to(torch.bfloat16)
+        return h, ir.rms_norm(h, w, 1e-6)
+
+    return plain
+
+
 @pytest.mark.parametrize("shape", [(1, 32), (32,)])
 def test_a_broadcast_residual_is_left_unfused(shape):
     """Plain torch with the residual [1, H] or [H] broadcast against x [T, H]: it was raised
@@ -99,13 +112,7 @@ def test_a_broadcast_residual_is_left_unfused(shape):
     (shaped as the residual) failed Inductor's size assertion at run time. Canonicalize's
     shape constraint now keeps the broadcast add plain; the output is the unfused one."""
     x, r, w = bst.randn(4, 32, seed=1), bst.randn(*shape, seed=2), bst.randn(32, seed=3)
-
-    def plain(x, r):
-        a = (ir.rms_norm(x, w, 1e-6).float() * 0.5).to(torch.bfloat16)
-        b = (r.float() * 0.75).to(torch.bfloat16)
-        h = (a.float() + b.float()).to(torch.bfloat16)
-        return h, ir.rms_norm(h, w, 1e-6)
-
+    plain = plain_sandwich(w, (0.5, 0.75))
     # Unfused, the output is Inductor's own code: bitwise eager from torch 2.13 (see
     # test_framework's boundary tests for 2.11's drift).
     tolerance = (2**-6, 2**-7) if torch.__version__ < "2.13" else "bitwise"
@@ -122,14 +129,7 @@ def test_a_plain_boundary_fuses_exactly_where_the_residual_is_x_shaped(t, hidden
     is [T, H], none otherwise, and the output is eager's either way."""
     shape = data.draw(bst.broadcast_partners((t, hidden)), label="residual shape")
     x, r = bst.randn(t, hidden, seed=seed), bst.randn(*shape, seed=seed + 1)
-    w = bst.randn(hidden, seed=seed + 2)
-
-    def plain(x, r):
-        a = (ir.rms_norm(x, w, 1e-6).float() * scales[0]).to(torch.bfloat16)
-        b = (r.float() * scales[1]).to(torch.bfloat16)
-        h = (a.float() + b.float()).to(torch.bfloat16)
-        return h, ir.rms_norm(h, w, 1e-6)
-
+    plain = plain_sandwich(bst.randn(hidden, seed=seed + 2), scales)
     fuses = tuple(shape) == (t, hidden)
     tolerance = "bitwise" if fuses or torch.__version__ >= "2.13" else (2**-6, 2**-7)
     assert_fusion(plain, (x, r), "boundary", matches=int(fuses), tolerance=tolerance)
