@@ -44,6 +44,10 @@ class GraphReport:
     explain: list[Rejection] = field(default_factory=list)
     ops_before: dict[str, int] = field(default_factory=dict)
     ops_after: dict[str, int] = field(default_factory=dict)
+    # The token counts vLLM compiled this graph for, "(start, end)" (one size where they are
+    # equal); None outside vLLM. vLLM compiles each piece of the model once per compile
+    # range and compile size, so totals over graphs count each of them.
+    compile_range: str | None = None
 
     def matches(self, name: str) -> int:
         return sum(p.matches for p in self.passes if p.name == name)
@@ -138,11 +142,21 @@ class PassManager(CustomGraphPass):
             for p in r.passes:
                 totals[p.name] += p.matches
                 seconds[p.name] += p.seconds
+        by_range: dict[str, Counter] = {}
+        for r in self.reports:
+            if r.compile_range is not None:
+                counts = by_range.setdefault(r.compile_range, Counter(graphs=0))
+                counts["graphs"] += 1
+                counts.update({p.name: p.matches for p in r.passes})
         return {
             "passes": self.names,
             "graphs": len(self.reports),
             "matches": {n: totals[n] for n in self.stages},
             "seconds": {n: round(seconds[n], 4) for n in self.stages},
+            # {compile range: {"graphs": n, pass: matches}}, for the graphs vLLM compiled
+            "by_compile_range": {
+                k: {n: c[n] for n in ["graphs", *self.stages]} for k, c in by_range.items()
+            },
             "per_graph": [asdict(r) for r in self.reports],
         }
 
@@ -153,6 +167,10 @@ class PassManager(CustomGraphPass):
             lines.append(
                 f"  {n:<14} matches {s['matches'][n]:>4}   {s['seconds'][n] * 1e3:8.1f} ms"
             )
+        if len(s["by_compile_range"]) > 1:
+            for key, c in s["by_compile_range"].items():
+                fused = ", ".join(f"{n} {c[n]}" for n in self.names)
+                lines.append(f"  tokens {key}: {c['graphs']} graph(s); {fused or 'no passes'}")
         for r in self.reports:
             for rej in r.explain:
                 where = f"[{rej.constraint}] " if rej.constraint else ""

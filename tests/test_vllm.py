@@ -143,6 +143,30 @@ def test_report_paths_of_ranks_and_data_parallel_engines(integration, monkeypatc
                      (0, 2): "/r/beamfx.json.dp2", (1, 2): "/r/beamfx.json.dp2.rank1"}  # fmt: skip
 
 
+def test_report_names_each_graphs_compile_range(integration):
+    """vLLM compiles each piece once per compile range and size: the report says which
+    graph was which, and totals them per range."""
+    import torch
+    from vllm.compilation.passes.inductor_pass import pass_context
+    from vllm.config.utils import Range
+
+    bound = integration.VllmPass(["+beamfx:boundary"])
+    for compile_range in (Range(1, 8192), Range(4, 4), Range(1, 8192), None):
+        g = torch.fx.Graph()
+        g.output(g.placeholder("x"))
+        if compile_range is None:
+            bound(g)  # outside vLLM's pass context
+        else:
+            with pass_context(compile_range):
+                bound(g)
+    ranges = [r["compile_range"] for r in bound.summary()["per_graph"]]
+    assert ranges == ["(1, 8192)", "(4, 4)", "(1, 8192)", None]
+    by_range = bound.summary()["by_compile_range"]
+    assert {k: v["graphs"] for k, v in by_range.items()} == {"(1, 8192)": 2, "(4, 4)": 1}
+    assert by_range["(4, 4)"] == {"graphs": 1, "canonicalize": 0, "boundary": 0, "lower": 0}
+    assert "tokens (4, 4): 1 graph(s); boundary 0" in bound.format_text()
+
+
 def test_uuid_follows_pass_list(integration):
     from vllm.config import CompilationConfig
 

@@ -157,6 +157,7 @@ class VllmPass(InductorPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         target = self._target()
         target.manager(graph)
+        target.manager.reports[-1].compile_range = _compile_range()
         target._publish()
 
     def uuid(self) -> str:
@@ -198,6 +199,16 @@ class VllmPass(InductorPass):
         if path:
             with open(path, "w") as f:
                 json.dump(self.summary(), f, indent=1, default=str)
+
+
+def _compile_range() -> str | None:
+    """The token range vLLM is compiling for, as "(start, end)"; None outside its pass
+    context (vLLM sets one around each compile of a piece)."""
+    from vllm.compilation.passes import inductor_pass
+
+    context = getattr(inductor_pass, "_pass_context", None)
+    found = getattr(context, "compile_range", None)
+    return None if found is None else f"({found.start}, {found.end})"
 
 
 def report_path(rank: int = 0, dp_rank: int = 0) -> str | None:
