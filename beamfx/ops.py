@@ -171,14 +171,20 @@ def _define(
     check: Callable | None = None,
 ) -> OpDef:
     """The op `beamfx::name`. `check(*args)`, where given, holds the arguments to the op's
-    contract in eager calls and while tracing alike (the reference alone may broadcast)."""
+    contract in eager calls and while tracing alike (the reference alone may broadcast).
+
+    Every output is contiguous, whatever layout the inputs have, and `fake` must say so:
+    Inductor lays out the code after an op by its fake's strides (with `size_asserts` off,
+    as vLLM sets it, a wrong stride reads wrong values silently). A reference whose result
+    follows an input's layout (a transposed x) is made contiguous here; the fast providers
+    write contiguous outputs."""
     opdef = OpDef(name, reference, lower)
     qual = f"{NAMESPACE}::{name}"
 
     def impl(*args):
         if check is not None:
             check(*args)
-        return opdef.dispatch(*args)
+        return _contiguous(opdef.dispatch(*args))
 
     def checked_fake(*args):
         if check is not None:
@@ -212,8 +218,15 @@ def _signature_of(fn: Callable):
     return sig.replace(parameters=params, return_annotation=hints["return"])
 
 
+def _contiguous(out):
+    if isinstance(out, torch.Tensor):
+        return out.contiguous()
+    return tuple(o.contiguous() for o in out)
+
+
 def _like(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
+    """A fake output of x's shape, contiguous (see `_define`)."""
+    return x.new_empty(x.shape)
 
 
 def _same_shape(op: str, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -285,13 +298,13 @@ MOE_FINALIZE = _define(
 FUSED_BOUNDARY = _define(
     "fused_boundary",
     boundary_ref.fused_boundary,
-    lambda x, r, *rest: (torch.empty_like(r), torch.empty_like(r)),
+    lambda x, r, *rest: (_like(r), _like(r)),
     lower=False,
 )
 FUSED_BOUNDARY_RESIDUAL = _define(
     "fused_boundary_residual",
     boundary_ref.fused_boundary_residual,
-    lambda x, r, *rest: torch.empty_like(r),
+    lambda x, r, *rest: _like(r),
     lower=False,
 )
 

@@ -49,14 +49,27 @@ class FusionResult:
         return sum(r.matches(name) for r in self.manager.reports)
 
 
-def compile_with(fn: Callable, passes: Sequence[str] | str, **manager_options: Any):
+# Inductor options vLLM's CPU platform sets: no size or stride asserts, so an op's fake that
+# gets its output's layout wrong gives wrong values, not an error.
+VLLM_CPU_INDUCTOR = {"size_asserts": False, "nan_asserts": False, "epilogue_fusion": True}
+
+
+def compile_with(
+    fn: Callable,
+    passes: Sequence[str] | str,
+    *,
+    options: dict[str, Any] | None = None,
+    **manager_options: Any,
+):
     """`fn` compiled by Inductor with a fresh beamfx pipeline (caches off: every compile
-    runs the passes, so reports are complete). Returns (compiled, manager)."""
+    runs the passes, so reports are complete); `options` are further Inductor options
+    (`VLLM_CPU_INDUCTOR`: vLLM's). Returns (compiled, manager)."""
     manager = PassManager(passes, **manager_options)
     options = {
-        "post_grad_custom_post_pass": manager,
         "emulate_precision_casts": True,
         "fx_graph_cache": False,
+        **(options or {}),
+        "post_grad_custom_post_pass": manager,
     }
     return torch.compile(fn, options=options, dynamic=False), manager
 
@@ -69,16 +82,18 @@ def assert_fusion(
     matches: dict[str, int] | int,
     tolerance: str | tuple[float, float] = "bitwise",
     reference: Callable | None = None,
+    options: dict[str, Any] | None = None,
 ) -> FusionResult:
     """Compile `fn(*args)` with `passes` and check the fusion (see the module docstring).
 
     `matches`: exact count per pass name (an int means: the single pass named). The
     reference is eager `fn` unless `reference` is given. `tolerance` is "bitwise" or
-    (atol, rtol) for `torch.testing.assert_close`.
+    (atol, rtol) for `torch.testing.assert_close`. `options`: further Inductor options,
+    such as `VLLM_CPU_INDUCTOR`.
     """
     torch.compiler.reset()
     expected = (fn if reference is None else reference)(*args)
-    compiled, manager = compile_with(fn, passes, verify=True, explain=True)
+    compiled, manager = compile_with(fn, passes, options=options, verify=True, explain=True)
     output = compiled(*args)
 
     names = manager.names

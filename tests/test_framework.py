@@ -555,3 +555,74 @@ def test_shapes_as_annotated_refuses_what_the_annotations_do_not_say():
                      constraints=[shapes_as_annotated("x", "s")])  # fmt: skip
         def relu_scale(x: Act[T, H], s: float):
             return torch.relu(x) * s
+
+
+# --- every op's fake says what the op returns ----------------------------------------------
+
+
+def _reversed_layout(*shape: int, dtype=torch.bfloat16, seed: int = 0) -> torch.Tensor:
+    """A [*shape] tensor laid out back to front (a transposed view, as a producer may hand
+    over): the layout a fake that copies its input's strides gets wrong."""
+    t = bst.randn(*reversed(shape), dtype=dtype, seed=seed)
+    return t.permute(*reversed(range(len(shape))))
+
+
+def _op_examples(group_name: str) -> dict[str, tuple]:
+    from beamfx.kernels.moe.nvfp4 import quantize_experts
+
+    t, h, inter, e, k = 4, 32, 16, 4, 2
+    x, r = _reversed_layout(t, h, seed=1), _reversed_layout(t, h, seed=2)
+    rows = _reversed_layout(t, k, h, seed=3)
+    w, w_next = bst.randn(h, seed=4), bst.randn(h, seed=5)
+    router_w = bst.randn(e, h, dtype=torch.float32, seed=6)
+    bias = bst.randn(e, dtype=torch.float32, seed=7)
+    logits = _reversed_layout(t, e, dtype=torch.float32, seed=8)
+    tw = _reversed_layout(t, k, dtype=torch.float32, seed=9)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 3]], dtype=torch.int32)
+    w13 = bst.randn(e, 2 * inter, h, seed=10, scale=0.2)
+    w2 = bst.randn(e, h, inter, seed=11, scale=0.2)
+    q = quantize_experts(w13.float(), w2.float())
+    fp4 = (q.w13, q.w13_scale, q.w13_global, q.w2, q.w2_scale, q.w2_global)
+    gate_out, gate = _reversed_layout(t, 2, 8, seed=12), _reversed_layout(t, 2, 8, seed=13)
+    return {
+        "rms_norm": (x, w, 1e-6),
+        "silu_mul": (x, r),
+        "scaled_residual_add": (x, r, 0.5, 0.75),
+        "all_reduce": (x, group_name),
+        "router_logits": (x, router_w),
+        "grouped_topk": (logits, bias, 2, 2, 1, True),
+        "moe_experts": (x, w13, w2, ids),
+        "moe_finalize": (rows, tw, 2.5),
+        "fused_boundary": (rows, r, w, w_next, 1e-6, 1e-5, 0.5, 0.75, group_name, tw, 2.5),
+        "fused_boundary_residual": (x, r, w, 1e-6, 0.5, 0.75, None, None, 1.0),
+        "attn_gate": (gate_out, gate, bst.randn(2, seed=14)),  # out, gate [T, heads, D]
+        "router_gemm": (x, router_w),
+        "routed_topk": (x, router_w, bias, 2, 2, 1, True),
+        "moe_experts_nvfp4": (x, *fp4, ids),
+        "mega_moe": (x, tw, ids, w13, w2, 2.5),
+        "mega_moe_nvfp4": (x, tw, ids, *fp4, 2.5),
+    }
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """A one-rank gloo group, for the ops that take a group name."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD.group_name
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", sorted(ir.REGISTRY))
+def test_every_op_fake_describes_its_outputs(name, world_of_one):
+    """Inductor lays out the code after an op by its fake's sizes and strides, and vLLM turns
+    its size asserts off: a fake that says "like the residual" where the op returns rows laid
+    out like x reads wrong values silently. torch's own check (`opcheck`) runs each op on
+    inputs laid out back to front, fake against real; every output is contiguous."""
+    examples = _op_examples(world_of_one)
+    assert set(examples) == set(ir.REGISTRY), "give every op an example here"
+    args = examples[name]
+    torch.library.opcheck(ir.REGISTRY[name].op, args, test_utils="test_faketensor")
+    out = ir.REGISTRY[name].op(*args)
+    assert all(o.is_contiguous() for o in ([out] if isinstance(out, torch.Tensor) else out))

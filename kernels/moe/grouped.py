@@ -2,7 +2,7 @@
 
 `torch._grouped_mm(a [M, K], b [G, K, N], offs)` multiplies row group g of `a` by `b[g]`;
 `offs` (int32, [G]) holds each group's END row, so the rows must be sorted by group.
-Present in torch 2.9 through 2.13 (checked on 2.11 and 2.13); bf16 only; on CUDA it needs
+Present in torch 2.9 through 2.14 (checked on 2.11, 2.13 and 2.14.1); bf16 only; on CUDA it needs
 compute capability 8.0+ (a CUTLASS kernel on 9.0+, a loop below), strides that are
 multiples of 16 bytes (H and I multiples of 8) and `b` either row- or column-major in its
 last two dims (the `[E, N, K]` expert weights are passed transposed, column-major). Rows

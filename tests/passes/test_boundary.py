@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from beamfx import ops as ir
-from beamfx.testing import assert_fusion, compile_with
+from beamfx.testing import VLLM_CPU_INDUCTOR, assert_fusion, compile_with
 from beamfx.testing import strategies as bst
 
 
@@ -133,6 +133,21 @@ def test_a_plain_boundary_fuses_exactly_where_the_residual_is_x_shaped(t, hidden
     fuses = tuple(shape) == (t, hidden)
     tolerance = "bitwise" if fuses or torch.__version__ >= "2.13" else (2**-6, 2**-7)
     assert_fusion(plain, (x, r), "boundary", matches=int(fuses), tolerance=tolerance)
+
+
+@pytest.mark.parametrize("transposed", ["residual", "x"])
+def test_inputs_laid_out_otherwise_give_eagers_output(transposed):
+    """x or the residual a transposed view: the fused ops' fakes gave their outputs the
+    residual's strides where the op returns rows laid out like x, and Inductor's code
+    after them read wrong values (with vLLM's options: no size assert to catch it)."""
+    x, r, w = bst.randn(4, 32, seed=1), bst.randn(4, 32, seed=2), bst.randn(32, seed=3)
+    views = {"x": (x.t().contiguous().t(), r), "residual": (x, r.t().contiguous().t())}
+
+    def boundary(x, r):
+        h, y = sandwich(x, r, w, w, 1e-6, (0.5, 0.75))
+        return h * 2, y + 1  # code of Inductor's own that reads the fused outputs
+
+    assert_fusion(boundary, views[transposed], "boundary", matches=1, options=VLLM_CPU_INDUCTOR)
 
 
 def test_the_residual_add_op_takes_one_shape_eager_and_compiled():

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from beamfx import ops as ir
 from beamfx.kernels.moe.nvfp4 import quantize_experts
-from beamfx.testing import assert_fusion
+from beamfx.testing import VLLM_CPU_INDUCTOR, assert_fusion
 from beamfx.testing import strategies as bst
 
 
@@ -61,6 +61,19 @@ def test_experts_that_change_the_width_stay_unfused():
     res = assert_fusion(moe, (x, weights, ids), "mega_moe", matches=0)
     (why,) = [e for r in res.manager.reports for e in r.explain]
     assert why.constraint == "same_size(x[-1], w2[1])" and "64" in why.reason and "48" in why.reason
+
+
+def test_x_laid_out_otherwise_gives_eagers_output():
+    """x a transposed view: the fused op's fake gave its output x's strides where the op
+    returns contiguous rows, and Inductor's code after it read wrong values (with vLLM's
+    options: no size assert to catch it)."""
+    x, weights, ids, w13, w2 = moe_inputs(4, (8, 2, 4, 2), seed=5)
+
+    def moe(x, weights, ids):
+        return ir.moe_finalize(ir.moe_experts(x, w13, w2, ids), weights, 2.5) + 1
+
+    x_t = x.t().contiguous().t()
+    assert_fusion(moe, (x_t, weights, ids), "mega_moe", matches=1, options=VLLM_CPU_INDUCTOR)
 
 
 @pytest.mark.parametrize("order", [["mega_moe", "boundary"], ["boundary", "mega_moe"]])
