@@ -80,6 +80,12 @@ class _SpecFactory:
 
     def __getitem__(self, dims: Dim | tuple[Dim, ...]) -> TensorSpec:
         dims = dims if isinstance(dims, tuple) else (dims,)
+        wrong = [d for d in dims if not isinstance(d, Dim)]
+        if wrong:
+            raise TypeError(
+                f"tensor spec dims {wrong!r}: give Dim objects (beamfx.pattern's T, H, K, E, "
+                f"I, D, N, or Dim('x')), not {type(wrong[0]).__name__}"
+            )
         return TensorSpec(tuple(d.name for d in dims), self.dtype)
 
 
@@ -348,7 +354,7 @@ class FusionPass:
     def _register(self, v: _Variant, matcher: pm.PatternMatcherPass) -> None:
         replace = _positional(v.rule.replace, v.names, v.present, v.rule)
         pm.register_graph_pattern(v.pattern, extra_check=self._checker(v), pass_dict=matcher)(
-            _replacer(replace, v.names, v.rule.specs)
+            _replacer(replace, v.names, v.rule.specs, f"pass {self.name}, rule {v.rule.name}")
         )
 
     def _checker(self, variant: _Variant) -> Callable[[pm.Match], bool]:
@@ -493,7 +499,11 @@ class FusionPass:
         close over (part of the compile cache key: a pass built by a factory, say
         `last_dim_at_most("x", limit)`, must key each limit apart)."""
         h = hashlib.sha256(self.name.encode())
+        h.update(repr(sorted(map(str, self.anchor_ops))).encode())
         for rule in self.rules:
+            # The specs set the traced shapes and dtypes (and so what matches), whether
+            # annotations or a `specs=` override gave them.
+            h.update(f"{rule.name}:{sorted((k, repr(v)) for k, v in rule.specs.items())}".encode())
             for fn in (rule.search, rule.replace):
                 try:
                     h.update(inspect.getsource(inspect.getmodule(fn)).encode())
@@ -639,7 +649,7 @@ class Inliner:
         self._cache.clear()
 
     def replace(self, match: pm.Match, fn: Callable, args: list[Any], specs: dict[str, Any],
-                names: list[str]) -> None:  # fmt: skip
+                names: list[str], label: str = "a replacement") -> None:  # fmt: skip
         from torch._inductor.virtualized import V
 
         sentinels, values, traced = {}, [], []
@@ -681,6 +691,7 @@ class Inliner:
             if len(self._cache) >= self.MAX_ENTRIES:
                 self._cache.clear()
             self._cache[key] = (mode, gm)
+        _check_replacement(match, gm, label)
         if _mutates(gm):
             self.mutating_splices += 1
         _splice(match, gm, args, sentinels)
@@ -859,11 +870,44 @@ def _sentinel_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 INLINER = Inliner()
 
 
-def _replacer(replace: Callable, names: list[str], specs: dict[str, Any]) -> Callable:
+def _replacer(replace: Callable, names: list[str], specs: dict[str, Any], label: str) -> Callable:
     def handler(match: pm.Match, *args: Any, **kwargs: Any) -> None:
-        INLINER.replace(match, replace, [kwargs[n] for n in names], specs, names)
+        INLINER.replace(match, replace, [kwargs[n] for n in names], specs, names, label)
 
     return handler
+
+
+def _check_replacement(match: pm.Match, gm: torch.fx.GraphModule, label: str) -> None:
+    """The traced replacement returns what the matched nodes did: as many tensors, each of
+    the same dtype and rank and no size provably different. Otherwise the code after the
+    match would read values of another shape or type (or None) without an error."""
+    (out,) = gm.graph.find_nodes(op="output")
+
+    def vals(xs) -> list[Any]:
+        leaves = [x for x in torch.utils._pytree.tree_leaves(xs) if x is not None]
+        return [x.meta.get("val") if isinstance(x, torch.fx.Node) else x for x in leaves]
+
+    def show(v: Any) -> str:
+        if isinstance(v, torch.Tensor):
+            return f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
+        return repr(v)
+
+    old = vals([o for o in match.output_nodes() if o is not None])
+    new = vals(out.args[0])
+    if not all(isinstance(v, torch.Tensor) for v in old):
+        return  # the matched values are not all known: nothing to hold the replacement to
+
+    def differ(a: Any, b: torch.Tensor) -> bool:
+        if not isinstance(a, torch.Tensor) or a.dtype != b.dtype or a.dim() != b.dim():
+            return True
+        return any(_provably(x != y) for x, y in zip(a.shape, b.shape))
+
+    if len(new) != len(old) or any(differ(a, b) for a, b in zip(new, old)):
+        raise TypeError(
+            f"{label}: the replacement returns ({', '.join(map(show, new)) or 'nothing'}) "
+            f"where the pattern gives ({', '.join(map(show, old))}); a replacement must "
+            "return what its pattern returns, in the same shapes and dtypes"
+        )
 
 
 def _annotations(fn: Callable) -> dict[str, Any]:
@@ -896,7 +940,25 @@ def _positional(fn: Callable, names: list[str], present: tuple[str, ...], rule: 
     call.__signature__ = inspect.Signature(
         [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names]
     )
-    call.__name__ = call.__qualname__ = f"{fn.__name__}__{'_'.join(present) or 'base'}"
+    name = getattr(fn, "__name__", None) or getattr(fn, "_name", "replacement")  # a CustomOpDef
+    call.__name__ = call.__qualname__ = f"{name}__{'_'.join(present) or 'base'}"
+    return call
+
+
+def _returning(fn: Callable, rule: Rule) -> Callable:
+    """`fn`, refusing to give nothing (the matcher's tracer fails on it, naming no rule)."""
+
+    def call(*args):
+        out = fn(*args)
+        if not [v for v in torch.utils._pytree.tree_leaves(out) if v is not None]:
+            raise TypeError(
+                f"pattern {rule.name} returns nothing: return the tensor(s) it computes, "
+                "the values its replacement stands for"
+            )
+        return out
+
+    call.__signature__ = fn.__signature__
+    call.__name__ = call.__qualname__ = fn.__name__
     return call
 
 
@@ -911,6 +973,7 @@ def _is(value: Any, kind: type) -> bool:
 def _params(fn: Callable) -> set[str]:
     if isinstance(fn, torch._ops.OpOverloadPacket):
         return {a.name for a in fn.default._schema.arguments}
+    fn = getattr(fn, "_init_fn", fn)  # torch.library.custom_op's object: its function's
     return set(inspect.signature(fn).parameters)
 
 
@@ -963,7 +1026,7 @@ def _trace_one(
     if cached is not None:
         names, gm = cached[0], _graph_module(cached[1])
     else:
-        gm = _trace(_positional(rule.search, names, present, rule), examples)
+        gm = _trace(_returning(_positional(rule.search, names, present, rule), rule), examples)
         used = _used_names(gm, names, sentinels, strings)
         # Drop parameters this variant never reads (e.g. eps of an absent norm): an unread
         # parameter's placeholder has no users, so erasing it gives the graph a trace
@@ -1091,6 +1154,12 @@ def _identity(value: Any, depth: int = 0) -> str:
         return hashlib.sha256(value.co_code).hexdigest()[:16] + "(" + consts + ")"
     if isinstance(value, functools.partial):
         return "partial(" + _identity((value.func, value.args, value.keywords), depth + 1) + ")"
+    if isinstance(value, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
+        packet = isinstance(value, torch._ops.OpOverloadPacket)
+        return f"op:{value._qualified_op_name if packet else value._schema.name}"
+    if isinstance(getattr(value, "_qualname", None), str) and hasattr(value, "_init_fn"):
+        # torch.library.custom_op's object: its name and the code of its implementation
+        return f"op:{value._qualname}:{_identity(value._init_fn, depth + 1)}"
     code = getattr(value, "__code__", None)
     if isinstance(code, types.CodeType):
         cells = []

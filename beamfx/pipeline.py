@@ -72,12 +72,12 @@ class PassManager(CustomGraphPass):
             if isinstance(item, str):
                 self.names += [n for n in registry.resolve(item) if n not in self.names]
                 continue
-            taken = {*registry.PASSES, *registry.STAGES, *self.custom}
+            taken = {*registry.PASSES, *registry.STAGES, "all", *self.custom}
             if item.name in taken:
                 raise ValueError(
                     f"pass {item.name!r}: a pass of that name is already in the pipeline "
-                    f"(beamfx's: {', '.join([*registry.PASSES, *registry.STAGES])}): "
-                    "give yours another name"
+                    f"(beamfx's: {', '.join([*registry.PASSES, *registry.STAGES, 'all'])}; "
+                    f"yours so far: {', '.join(self.custom) or 'none'}): give yours another name"
                 )
             self.custom[item.name] = item
             self.names.append(item.name)
@@ -86,6 +86,12 @@ class PassManager(CustomGraphPass):
         self.explain = explain
         self.verify = verify
         self.reports: list[GraphReport] = []
+
+    def __deepcopy__(self, memo) -> PassManager:
+        # torch.compile deep-copies its options to record them; the pipeline, its reports
+        # and its passes (whose replacements may be torch library objects that cannot be
+        # copied) are one object.
+        return self
 
     @property
     def stages(self) -> list[str]:

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from beamfx import ops as ir
 from beamfx.passes import PASSES, UnknownPassError, get_pass, resolve
 from beamfx.pattern import (
+    F32,
     Act,
     Constraint,
     FusionPass,
@@ -626,3 +627,83 @@ def test_every_op_fake_describes_its_outputs(name, world_of_one):
     torch.library.opcheck(ir.REGISTRY[name].op, args, test_utils="test_faketensor")
     out = ir.REGISTRY[name].op(*args)
     assert all(o.is_contiguous() for o in ([out] if isinstance(out, torch.Tensor) else out))
+
+
+# --- a pass writer's mistakes get errors that name them --------------------------------------
+
+
+def _relu_scale_pass(replace, name="rs", **rule_options):
+    p = FusionPass(name, "relu(x) * s -> a replacement")
+
+    @p.rule(replace=replace, **rule_options)
+    def relu_scale(x: Act[T, H], s: float):
+        return torch.relu(x) * s
+
+    return p
+
+
+@pytest.mark.parametrize(
+    "replace, says",
+    [
+        (lambda x, s: (torch.relu(x) * s).float(), r"returns \(float32\[4, 32\]\) where the "
+         r"pattern gives \(bfloat16\[4, 32\]\)"),
+        (lambda x, s: (torch.relu(x) * s).t().contiguous(), r"returns \(bfloat16\[32, 4\]\)"),
+        (lambda x, s: None, r"returns \(nothing\) where"),
+    ],
+)  # fmt: skip
+def test_a_replacement_must_return_what_its_pattern_returns(replace, says):
+    """A replacement of another dtype or shape, or none, gave wrong outputs (or a None)
+    with no error, or an Inductor error naming neither pass nor rule."""
+    x = bst.randn(4, 32, seed=1)
+    compiled, _ = compile_with(lambda x: torch.relu(x) * 2.0 + 1.0, [_relu_scale_pass(replace)])
+    with pytest.raises(Exception, match="pass rs, rule relu_scale: the replacement " + says):
+        compiled(x)
+
+
+def test_pass_writers_mistakes_are_named():
+    with pytest.raises(TypeError, match=r"spec dims \['T', 'H'\]: give Dim objects"):
+        Act["T", "H"]
+    p = FusionPass("nothing", "a pattern with no return")
+
+    @p.rule(replace=lambda x: x)
+    def forgot(x: Act[T, H]):
+        torch.relu(x)
+
+    with pytest.raises(TypeError, match="pattern forgot returns nothing"):
+        p.matcher()
+    with pytest.raises(ValueError, match="'all': a pass of that name is already in the pipeline"):
+        PassManager([_relu_scale_pass(lambda x, s: torch.relu(x) * s, name="all")])
+    mine = _relu_scale_pass(lambda x, s: torch.relu(x) * s)
+    with pytest.raises(ValueError, match="yours so far: rs"):
+        PassManager([mine, mine])
+
+
+def test_a_custom_op_object_as_the_replacement_compiles():
+    """torch.compile deep-copies its options; the pass manager (and a replacement that is
+    the object torch.library.custom_op returns, which cannot be copied) stays one object."""
+
+    @torch.library.custom_op("beamfx_test::relu_scale", mutates_args=())
+    def relu_scale_op(x: torch.Tensor, s: float) -> torch.Tensor:
+        return torch.relu(x) * s
+
+    relu_scale_op.register_fake(lambda x, s: torch.empty_like(x))
+    x = bst.randn(4, 32, seed=1)
+    mine = _relu_scale_pass(relu_scale_op)
+    compiled, manager = compile_with(lambda x: torch.relu(x) * 2.0, [mine])
+    assert torch.equal(compiled(x), torch.relu(x) * 2.0)
+    assert manager.reports[0].matches("rs") == 1
+
+
+def test_the_cache_key_follows_a_rules_specs():
+    """Two passes from one factory, one traced for bf16 activations and one for fp32 only,
+    had one uuid: Inductor's compile cache served one's graph for the other."""
+
+    def make(spec):
+        p = FusionPass("rs", "relu(x) * s")
+        p.rule(replace=lambda x, s: torch.relu(x) * s, specs={"x": spec, "s": float})(
+            lambda x, s: torch.relu(x) * s
+        )
+        return p
+
+    assert PassManager([make(Act[T, H])]).uuid() != PassManager([make(F32[T, H])]).uuid()
+    assert PassManager([make(Act[T, H])]).uuid() == PassManager([make(Act[T, H])]).uuid()
