@@ -241,7 +241,20 @@ def _same_shape(op: str, a: torch.Tensor, b: torch.Tensor) -> None:
 
 # --- semantic ops: what the plain model calls --------------------------------------------
 
-RMS_NORM = _define("rms_norm", norm_ref.rms_norm, lambda x, w, eps: _like(x))
+
+def _norm_weight(x: torch.Tensor, w: torch.Tensor) -> None:
+    """rms_norm's contract: the weight is one row of x's last dim (no broadcasting)."""
+    shapes = lambda: f"rms_norm: weight {tuple(w.shape)} against x {tuple(x.shape)}"  # noqa: E731
+    torch._check(w.dim() == 1, shapes)
+    torch._check(w.shape[0] == x.shape[-1], shapes)
+
+
+RMS_NORM = _define(
+    "rms_norm",
+    norm_ref.rms_norm,
+    lambda x, w, eps: _like(x),
+    check=lambda x, w, eps: _norm_weight(x, w),
+)
 SILU_MUL = _define(
     "silu_mul",
     norm_ref.silu_mul,

@@ -118,6 +118,10 @@ class Constraint:
     check: Callable[[dict[str, Any]], str | None]
     args: tuple[str, ...] = ()
 
+    def __post_init__(self):
+        if isinstance(self.args, str):  # one name, not its letters
+            object.__setattr__(self, "args", (self.args,))
+
 
 def _provably(cond) -> bool:
     """A size relation, decided without guards: a symbolic size (a dynamic dim) counts only
@@ -391,9 +395,15 @@ class FusionPass:
             acts = {}
             for n, spec in tensor_specs.items():
                 node = match.kwargs.get(n)
-                val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+                if node is None:
+                    continue  # an optional piece this variant lacks
+                # A tensor wildcard binds tensors only: a number (a literal, or a dynamic size
+                # as a SymInt) where the pattern multiplies by a tensor is another computation.
+                val = node.meta.get("val") if isinstance(node, torch.fx.Node) else node
                 if val is None:
                     continue
+                if not isinstance(val, torch.Tensor):
+                    return reject(match, f"{n} is a {type(val).__name__}, not a tensor", "tensor")
                 if spec.dtype is None:
                     acts[n] = val.dtype
                 elif spec.dtype == "any":
@@ -1020,7 +1030,11 @@ def _trace_one(
             strings[_STR_SENTINEL.format(n)] = n
             examples.append(_STR_SENTINEL.format(n))
         else:
-            raise TypeError(f"pattern {rule.name}: parameter {n!r} has unsupported spec {spec!r}")
+            raise TypeError(
+                f"pattern {rule.name}: parameter {n!r} has unsupported spec {spec!r}: annotate "
+                "it Act[T, H], F32[...], I32[...] (tensors, dims from beamfx.pattern), or float, "
+                "int, bool or str"
+            )
     key = pattern_cache.entry_key(rule.search, rule.specs, present, act)
     cached = graphs.get(key) if key is not None else None
     if cached is not None:

@@ -11,7 +11,18 @@ fp32 linear is every other projection of an fp32 model too.
 import torch
 
 from beamfx import ops
-from beamfx.pattern import F32, Act, E, FusionPass, H, I, K, T, shapes_as_annotated  # noqa: E741
+from beamfx.pattern import (  # noqa: E741
+    F32,
+    Act,
+    E,
+    FusionPass,
+    H,
+    I,
+    K,
+    T,
+    same_size,
+    shapes_as_annotated,
+)
 
 PASS = FusionPass("canonicalize", "plain-torch decompositions of Beam IR math -> Beam IR ops")
 
@@ -29,6 +40,8 @@ RAISE = {
 DTYPES = {"router_logits": (torch.bfloat16, torch.float16)}
 # The ops whose output takes one input's shape: a broadcast other input stays plain torch.
 SHAPES = {
+    # The weight one row of x's width (x may have any rank: q/k norms are [T, heads, D]).
+    "rms_norm": [shapes_as_annotated("weight"), same_size(("x", -1), ("weight", 0))],
     "silu_mul": [shapes_as_annotated("gate", "up")],
     "scaled_residual_add": [shapes_as_annotated("x", "residual")],
     "moe_finalize": [shapes_as_annotated("rows", "topk_weights")],

@@ -222,6 +222,44 @@ def test_canonicalize_keeps_an_add_with_alpha():
             torch.testing.assert_close(g, e, atol=2**-7, rtol=2**-7)
 
 
+def test_canonicalize_keeps_math_times_a_number():
+    """fp32 `silu(g) * T` with T a dynamic size (a SymInt in the graph) and an RMS norm times
+    a number matched canonicalize's tensor wildcards (`up`, `weight`): the checker read a
+    SymInt's dtype, or the rewrite built `rms_norm(x, 8.0, eps)`, and the compile failed
+    with no pass chosen. A tensor wildcard binds tensors only now."""
+
+    def silu_times_tokens(g):
+        return torch.nn.functional.silu(g) * g.shape[0]
+
+    def rms_times_a_number(x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * x.shape[-1] ** 0.5
+
+    for fn in (silu_times_tokens, rms_times_a_number):
+        torch.compiler.reset()
+        x = bst.randn(4, 64, dtype=torch.float32, seed=1)
+        torch._dynamo.mark_dynamic(x, 0)
+        compiled, manager = compile_with(fn, (), explain=True)
+        torch.testing.assert_close(compiled(x), fn(x), atol=1e-5, rtol=1e-5)
+        assert manager.reports[0].matches("canonicalize") == 0
+
+
+def test_an_rms_norm_weight_is_one_row_of_x():
+    """`rms_norm(x [T, 1], w [H])` broadcast to [T, H] in its reference while its fake said
+    [T, 1]; the op refuses it now, eager and traced, and canonicalize keeps such a plain
+    norm (x [T, 1] times w [H]) plain: the compiled output is eager's."""
+    x, w = bst.randn(4, 1, dtype=torch.float32, seed=1), bst.randn(32, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match=r"rms_norm: weight \(32,\) against x \(4, 1\)"):
+        ir.rms_norm(x, w, 1e-6)
+
+    def plain(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    torch.compiler.reset()
+    compiled, manager = compile_with(plain, ())
+    torch.testing.assert_close(compiled(x, w), plain(x, w), atol=1e-6, rtol=1e-6)
+    assert manager.reports[0].matches("canonicalize") == 0
+
+
 def test_explain_names_activations_of_two_dtypes():
     """bf16 activations with fp32 norm weights: the boundary does not fuse, and explain
     says why (it used to report the closest structural divergence of another variant)."""
@@ -676,6 +714,11 @@ def test_pass_writers_mistakes_are_named():
     mine = _relu_scale_pass(lambda x, s: torch.relu(x) * s)
     with pytest.raises(ValueError, match="yours so far: rs"):
         PassManager([mine, mine])
+    assert Constraint("c", lambda args: None, "x").args == ("x",)  # a name, not its letters
+    tensor = FusionPass("tensor", "an annotation the tracer cannot make an example of")
+    tensor.rule(replace=torch.relu, specs={"x": torch.Tensor})(lambda x: torch.relu(x))
+    with pytest.raises(TypeError, match=r"unsupported spec .*: annotate it Act\[T, H\]"):
+        tensor.matcher()
 
 
 def test_a_custom_op_object_as_the_replacement_compiles():

@@ -84,9 +84,11 @@ def test_no_op_on_graphs_without_a_boundary():
 
 
 def test_unsupported_dtype_is_left_unfused_and_explained():
-    x, r, w = (bst.randn(4, 32, dtype=torch.float32, seed=s) for s in (1, 2, 3))
+    x, r = (bst.randn(4, 32, dtype=torch.float32, seed=s) for s in (1, 2))
+    w = bst.randn(32, dtype=torch.float32, seed=3)
+    # Unfused fp32 is Inductor's own code: its row sums may differ from eager's last bit.
     res = assert_fusion(lambda x, r: sandwich(x, r, w, w, 1e-6, (0.5, 0.75)), (x, r),
-                        "boundary", matches=0)  # fmt: skip
+                        "boundary", matches=0, tolerance=(1e-6, 1e-6))  # fmt: skip
     explained = [e for r in res.manager.reports for e in r.explain]
     assert [e.constraint for e in explained] == ["dtype(residual)"]
     assert "float32" in explained[0].reason
