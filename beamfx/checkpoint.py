@@ -46,6 +46,10 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
+class CheckpointError(ValueError):
+    """A checkpoint folder that does not hold this model's weights as beamfx reads them."""
+
+
 @torch.no_grad()
 def load_into(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     """Copy HF-named full tensors into `model`, keeping this rank's shard. Returns names.
@@ -72,6 +76,7 @@ def load_into(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
                     f"checkpoint tensor {name!r} names expert {e}, but the model has "
                     f"{stacked.shape[0]} experts: does config.json match the checkpoint?"
                 )
+            _check_dtype(name, w, stacked.dtype)
             if kind == "down_proj":
                 h, inter = stacked.shape[1:]
                 _check_shape(name, w, (h, inter * par.world_size))
@@ -93,6 +98,7 @@ def load_into(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         if name not in params:
             raise KeyError(f"checkpoint tensor {name!r} has no place in BeamForCausalLM")
         shape = tuple(params[name].shape)
+        _check_dtype(name, w, params[name].dtype)
         if _COLUMN.search(name):
             _check_shape(name, w, (shape[0] * par.world_size, *shape[1:]))
             w = w[par.shard(w.shape[0])]
@@ -106,10 +112,22 @@ def load_into(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     return loaded
 
 
+def _check_dtype(name: str, w: torch.Tensor, dtype: torch.dtype) -> None:
+    # A float parameter takes any float tensor (converted on copy); integer codes (int8, the
+    # packed uint8 of NVFP4) would be copied as numbers, so they must be what is expected.
+    if w.dtype != dtype and not (dtype.is_floating_point and w.dtype.is_floating_point):
+        want = "a floating-point tensor" if dtype.is_floating_point else str(dtype)
+        raise CheckpointError(
+            f"checkpoint tensor {name!r} is {w.dtype}, but the model needs {want} there: "
+            "is the checkpoint quantized in a way config.json's quantization_config does not "
+            "say (beamfx reads bf16 and ModelOpt NVFP4 experts)?"
+        )
+
+
 def _check_shape(name: str, w: torch.Tensor, expected: tuple[int, ...]) -> None:
     # Checked on the full tensor: copy_ would broadcast a wrong one, slicing would hide it.
     if tuple(w.shape) != tuple(expected):
-        raise ValueError(
+        raise CheckpointError(
             f"checkpoint tensor {name!r} has shape {tuple(w.shape)} but the model expects "
             f"{tuple(expected)}: does config.json match the checkpoint?"
         )
@@ -128,16 +146,48 @@ def hf_names(model) -> set[str]:
     return names
 
 
+INDEX = "model.safetensors.index.json"
+
+
 def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of an HF folder: the shards its index names (every *.safetensors where
+    there is no index), each tensor once."""
+    import json
+
     from safetensors import safe_open
 
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    index = os.path.join(path, INDEX)
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        absent = [f for f in files if not os.path.exists(os.path.join(path, f))]
+        if absent:
+            raise FileNotFoundError(
+                f"checkpoint folder {path!r}: {INDEX} names shards that are not there: "
+                f"{absent[:3]}; copy them in, or re-save the checkpoint"
+            )
+    else:
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in checkpoint folder {path!r}")
+    owner: dict[str, str] = {}
     for f in files:
-        with safe_open(os.path.join(path, f), framework="pt") as st:
-            for k in st.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield k, st.get_tensor(k)
+        try:
+            st = safe_open(os.path.join(path, f), framework="pt")
+            keys = list(st.keys())  # noqa: SIM118 (safe_open is not a dict)
+        except Exception as e:  # a truncated or corrupt file
+            raise CheckpointError(
+                f"checkpoint file {os.path.join(path, f)!r} cannot be read ({e}): re-download "
+                "or re-save it"
+            ) from e
+        for k in keys:
+            if k in owner:
+                raise CheckpointError(
+                    f"checkpoint tensor {k!r} is in both {owner[k]!r} and {f!r} in {path!r}: "
+                    f"keep one (a stale shard? an {INDEX} names the shards to read)"
+                )
+            owner[k] = f
+            yield k, st.get_tensor(k)
 
 
 def load_checkpoint(
@@ -159,7 +209,7 @@ def load_checkpoint(
     check_nvfp4_loaded(model)
     missing = hf_names(model) - seen
     if missing:
-        raise ValueError(
+        raise CheckpointError(
             f"checkpoint {path!r} lacks {sorted(missing)[:5]} (and {max(0, len(missing) - 5)} more)"
         )
     return model
@@ -216,14 +266,37 @@ def write_tiny_tokenizer(path: str, vocab_size: int) -> None:
         )
 
 
+TINY_MARK = ".beamfx-tiny"  # in a folder beamfx wrote a tiny checkpoint to
+
+
+def refuse_to_overwrite(path: str) -> None:
+    """A tiny checkpoint is written only to a new or empty folder, or over another tiny one:
+    never over a checkpoint of someone's (its weights would be replaced)."""
+    if not os.path.isdir(path) or os.path.exists(os.path.join(path, TINY_MARK)):
+        return
+    held = sorted(f for f in os.listdir(path) if f == "config.json" or f.endswith(".safetensors"))
+    if held:
+        raise CheckpointError(
+            f"{path!r} already holds a checkpoint ({', '.join(held[:3])}) that beamfx did not "
+            "write; writing the tiny one there would replace it: choose another folder"
+        )
+
+
+def mark_tiny(path: str) -> None:
+    with open(os.path.join(path, TINY_MARK), "w") as f:
+        f.write("a random tiny Beam checkpoint written by beamfx\n")
+
+
 def write_tiny_checkpoint(path: str, config: BeamConfig | str = "tiny", seed: int = 0) -> str:
     """config.json + model.safetensors (random bf16 weights, fp32 router) + tokenizer."""
     from beamfx.models.beam import BeamForCausalLM
 
+    refuse_to_overwrite(path)
     cfg = preset(config) if isinstance(config, str) else config
     cfg.architectures = ["BeamForCausalLM"]
     cfg.dtype = "bfloat16"
     model = init_random(BeamForCausalLM(cfg), seed)
     save_checkpoint(model, path)
     write_tiny_tokenizer(path, cfg.vocab_size)
+    mark_tiny(path)
     return path

@@ -68,13 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from beamfx.checkpoint import CheckpointError
     from beamfx.config import BeamConfigError
+    from beamfx.kernels.moe.nvfp4 import NVFP4Error
     from beamfx.passes import UnknownPassError
 
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command].run(args)
-    except (BeamConfigError, UnknownPassError, FileNotFoundError) as e:
+    except (BeamConfigError, UnknownPassError, FileNotFoundError, CheckpointError,
+            NVFP4Error) as e:  # fmt: skip
         print(f"beamfx {args.command}: error: {e}", file=sys.stderr)
         return 2
 
@@ -439,8 +442,10 @@ BF16_LOGITS_RTOL = 0.03
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="checkpoint folder to write (default: a temporary folder)")
     _config_arguments(parser)
-    parser.add_argument("--batch", type=int, default=2, help="prompts (default 2)")
-    parser.add_argument("--seq", type=int, default=16, help="tokens per prompt (default 16)")
+    parser.add_argument("--batch", type=_positive_int, default=2, help="prompts (default 2)")
+    parser.add_argument(
+        "--seq", type=_positive_int, default=16, help="tokens per prompt (default 16)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="weights and prompt seed")
 
 
@@ -548,7 +553,9 @@ def _graph_arguments(parser: argparse.ArgumentParser) -> None:
         default="semantic",
         help="semantic: Beam IR ops (default); torch: their reference code, as plain torch",
     )
-    parser.add_argument("--seq", type=int, default=16, help="tokens per prompt (default 16)")
+    parser.add_argument(
+        "--seq", type=_positive_int, default=16, help="tokens per prompt (default 16)"
+    )
     parser.add_argument("--full", action="store_true", help="also print the whole FX graph")
 
 
@@ -639,7 +646,7 @@ def _compile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--explain", action="store_true", help="say why candidates did not fuse")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--frontend", choices=["semantic", "torch"], default="semantic")
-    parser.add_argument("--seq", type=int, default=16, help="prompt tokens (default 16)")
+    parser.add_argument("--seq", type=_positive_int, default=16, help="prompt tokens (default 16)")
 
 
 @command(

@@ -381,7 +381,10 @@ def load_config(source: str | os.PathLike, num_hidden_layers: int | None = None)
             f"Beam config {source!r} is neither a preset ({sorted(PRESETS)}) nor a file"
         )
     with open(path) as f:
-        data = json.load(f)
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise BeamConfigError(f"Beam config {path!r} is not valid JSON: {e}") from None
     data.pop("model_type", None)
     if num_hidden_layers is not None:
         data["num_hidden_layers"] = num_hidden_layers

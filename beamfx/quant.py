@@ -46,6 +46,11 @@ def load_expert_scale(model, name: str, tensor: torch.Tensor) -> str | None:
     half = 0 if kind == "gate_proj" else 1
     par = model.parallel
     if what == "weight_scale":
+        if tensor.dtype != torch.float8_e4m3fn:
+            raise NVFP4Error(
+                f"checkpoint tensor {name!r} is {tensor.dtype}; an NVFP4 weight_scale is "
+                "torch.float8_e4m3fn (ModelOpt's E4M3 block scales): re-export the checkpoint"
+            )
         if tensor.dim() != 2:
             raise NVFP4Error(
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}; an NVFP4 "
@@ -113,10 +118,17 @@ def write_tiny_nvfp4_checkpoint(path: str, config="tiny", seed: int = 0) -> str:
     """A tiny Beam checkpoint whose experts are ModelOpt NVFP4 (random weights, quantized)."""
     from safetensors.torch import save_file
 
-    from beamfx.checkpoint import hf_state_dict, init_random, write_tiny_tokenizer
+    from beamfx.checkpoint import (
+        hf_state_dict,
+        init_random,
+        mark_tiny,
+        refuse_to_overwrite,
+        write_tiny_tokenizer,
+    )
     from beamfx.config import preset
     from beamfx.models.beam import BeamForCausalLM
 
+    refuse_to_overwrite(path)
     cfg = preset(config) if isinstance(config, str) else config
     cfg.architectures = ["BeamForCausalLM"]
     cfg.dtype = "bfloat16"
@@ -126,4 +138,5 @@ def write_tiny_nvfp4_checkpoint(path: str, config="tiny", seed: int = 0) -> str:
     cfg.save_pretrained(path)
     save_file(nvfp4_state_dict(state), os.path.join(path, "model.safetensors"))
     write_tiny_tokenizer(path, cfg.vocab_size)
+    mark_tiny(path)
     return path

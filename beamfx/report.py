@@ -29,6 +29,14 @@ def build_model(cfg: BeamConfig, source: str, dtype: torch.dtype, frontend: str,
     from beamfx.models.beam import BeamForCausalLM
 
     if os.path.isdir(source) and any(f.endswith(".safetensors") for f in os.listdir(source)):
+        from beamfx.config import BeamConfigError, load_config
+
+        stored = load_config(source).num_hidden_layers
+        if cfg.num_hidden_layers != stored:
+            raise BeamConfigError(
+                f"--layers {cfg.num_hidden_layers}: checkpoint {source!r} has {stored} layers "
+                "and loads whole; drop --layers, or pass a preset or a config.json"
+            )
         return load_checkpoint(source, parallel, dtype, frontend)
     return init_random(BeamForCausalLM(cfg, parallel, dtype, frontend), seed=0)
 

@@ -9,13 +9,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from beamfx.checkpoint import (
+    CheckpointError,
     hf_names,
     init_random,
     load_checkpoint,
     save_checkpoint,
     write_tiny_checkpoint,
 )
-from beamfx.config import preset
+from beamfx.config import BeamConfigError, preset
 from beamfx.models.beam import BeamForCausalLM, Parallel
 
 IDS = torch.tensor([[5, 17, 42, 99, 3, 7, 300, 11], [8, 9, 10, 11, 12, 13, 14, 15]])
@@ -175,6 +176,12 @@ BROKEN = {
         KeyError,
         r"experts\.9.*8 experts",
     ),
+    # int8 codes copied into a bf16 weight as numbers: logits off, no error.
+    "integer codes in a float weight": (
+        lambda t: t.update({Q: torch.ones(256, 256, dtype=torch.int8)}),
+        CheckpointError,
+        r"q_proj.weight' is torch\.int8, but the model needs a floating-point tensor",
+    ),
     "unknown tensor": (
         lambda t: t.update({"model.layers.0.mlp.extra.weight": _bf16(2)}),
         KeyError,
@@ -202,3 +209,60 @@ def test_folder_without_weights_is_named(tmp_path):
     preset("tiny").save_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError, match=str(tmp_path)):
         load_checkpoint(str(tmp_path))
+
+
+def test_a_tensor_in_two_files_is_named(tiny_checkpoint, tmp_path):
+    """A tensor in two *.safetensors files loaded from the file that sorts last."""
+    path = shutil.copytree(tiny_checkpoint, tmp_path / "two")
+    save_file({Q: _bf16(256, 256)}, os.path.join(path, "model-extra.safetensors"))
+    with pytest.raises(CheckpointError, match=r"q_proj.weight' is in both 'model-extra"):
+        load_checkpoint(str(path))
+
+
+def test_the_index_names_the_shards_to_read(tiny_checkpoint, tmp_path):
+    """With model.safetensors.index.json, a stale shard beside the listed ones was read (and
+    won where it sorted last); the index decides now, and a shard it names must be there."""
+    path = shutil.copytree(tiny_checkpoint, tmp_path / "indexed")
+    names = load_file(os.path.join(path, "model.safetensors")).keys()
+    index = {"metadata": {}, "weight_map": dict.fromkeys(names, "model.safetensors")}
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+    save_file({Q: torch.full((256, 256), 7.0, dtype=torch.bfloat16)},
+              os.path.join(path, "old-00001.safetensors"))  # fmt: skip
+    model = load_checkpoint(str(path))
+    assert not (model.state_dict()[Q] == 7).all()
+    index["weight_map"][Q] = "model-00002.safetensors"
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+    with pytest.raises(FileNotFoundError, match=r"names shards that are not there.*00002"):
+        load_checkpoint(str(path))
+
+
+def test_an_unreadable_file_is_named(tiny_checkpoint, tmp_path):
+    path = shutil.copytree(tiny_checkpoint, tmp_path / "cut")
+    weights = os.path.join(path, "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(20)
+    with pytest.raises(CheckpointError, match=r"model.safetensors' cannot be read .*re-download"):
+        load_checkpoint(str(path))
+    with open(os.path.join(path, "config.json"), "a") as f:
+        f.write("}")
+    with pytest.raises(BeamConfigError, match=r"config.json' is not valid JSON"):
+        load_checkpoint(str(path))
+
+
+def test_the_tiny_writer_never_replaces_a_checkpoint_it_did_not_write(tiny_checkpoint, tmp_path):
+    """`beamfx write-tiny DIR` (and `demo --out DIR`) over a real checkpoint replaced its
+    config, weights and tokenizer without a word. Over its own tiny one it may write again."""
+    from beamfx.quant import write_tiny_nvfp4_checkpoint
+
+    theirs = shutil.copytree(tiny_checkpoint, tmp_path / "theirs")
+    os.remove(os.path.join(theirs, ".beamfx-tiny"))
+    before = load_file(os.path.join(theirs, "model.safetensors"))[Q]
+    for write in (write_tiny_checkpoint, write_tiny_nvfp4_checkpoint):
+        with pytest.raises(CheckpointError, match="already holds a checkpoint .*config.json"):
+            write(str(theirs), "tiny", seed=5)
+    assert torch.equal(load_file(os.path.join(theirs, "model.safetensors"))[Q], before)
+    ours = shutil.copytree(tiny_checkpoint, tmp_path / "ours")
+    write_tiny_checkpoint(str(ours), "tiny", seed=5)
+    assert not torch.equal(load_file(os.path.join(ours, "model.safetensors"))[Q], before)

@@ -64,3 +64,13 @@ def test_a_ranks_failing_status_reaches_the_caller(failing_rank, status):
     from beamfx.cli import spawn_gloo
 
     assert spawn_gloo(2, _rank_status, failing_rank) == status
+
+
+def test_layers_of_a_checkpoint_folder_are_not_overridden(tiny_checkpoint, capsys):
+    """`--layers 2` with a checkpoint folder ran all its layers and reported matches per
+    layer over 2; it is refused now, as is a prompt of no tokens."""
+    assert main(["compile", "--config", tiny_checkpoint, "--layers", "2"]) == 2
+    assert "checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["compile", "--config", "tiny", "--seq", "0"])
+    assert "--seq: must be a whole number of at least 1, got '0'" in capsys.readouterr().err

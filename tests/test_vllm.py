@@ -80,6 +80,17 @@ def test_wrong_pass_name_lists_valid_names(integration):
         integration.compilation_config(["boundry"])
 
 
+@pytest.mark.parametrize("entry", ["+BEAMFX:boundary", "+ beamfx:boundary", "+beamfx.boundary",
+                                   "+beamfx_boundary", "-Beamfx:boundary"])  # fmt: skip
+def test_a_misspelled_prefix_is_refused(integration, entry):
+    """Read as one of vLLM's own ops, "+BEAMFX:boundary" left every beamfx pass on."""
+    from beamfx.passes import UnknownPassError
+
+    sign = entry[0]
+    with pytest.raises(UnknownPassError, match=f"did you mean \\{sign}beamfx:boundary"):
+        integration.passes_from_custom_ops([entry])
+
+
 def test_conflicting_entries_are_refused(integration):
     # vLLM accepts "+beamfx:boundary" beside "-beamfx:all" (two names); beamfx ran none.
     with pytest.raises(ValueError, match=r"\(\+beamfx:boundary\) and disable them all"):

@@ -313,6 +313,13 @@ def modelopt_nvfp4(quantization_config: dict | None) -> bool:
     """Whether an HF `quantization_config` asks for ModelOpt NVFP4 (and is one we can read)."""
     if not quantization_config:
         return False
+    if hasattr(quantization_config, "to_dict"):  # transformers' config classes
+        quantization_config = quantization_config.to_dict()
+    if not isinstance(quantization_config, dict):
+        raise NVFP4Error(
+            f"quantization_config is {quantization_config!r}, not a mapping: write "
+            '{"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}'
+        )
     method = str(quantization_config.get("quant_method", "")).lower()
     algo = str(quantization_config.get("quant_algo", "")).upper()
     if method != "modelopt" or algo != "NVFP4":

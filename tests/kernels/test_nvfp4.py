@@ -386,3 +386,24 @@ def test_one_dimensional_block_scale_is_named(nvfp4_checkpoint):
     tensors[name] = tensors[name].flatten()
     with pytest.raises(NVFP4Error, match=r"weight_scale is 2-D \[N, K/16\]"):
         _vllm_load(nvfp4_checkpoint, tensors)
+
+
+@pytest.mark.parametrize("stored", ["uint8 bytes", "float32"])
+def test_block_scales_stored_in_another_dtype_are_named(nvfp4_checkpoint, stored):
+    """E4M3 scales saved as their bytes (uint8) loaded as the numbers 0-255, and fp32 scales
+    above E4M3's 448 were clamped, both silently: a weight_scale is float8_e4m3fn."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(f"{nvfp4_checkpoint}/model.safetensors")
+    name = next(k for k in tensors if k.endswith("experts.0.down_proj.weight_scale"))
+    scale = tensors[name]
+    tensors[name] = scale.view(torch.uint8) if stored == "uint8 bytes" else scale.float() * 4
+    with pytest.raises(NVFP4Error, match=r"down_proj.weight_scale' is torch\.(uint8|float32)"):
+        _vllm_load(nvfp4_checkpoint, tensors)
+
+
+def test_a_quantization_config_that_is_not_a_mapping_is_named():
+    from beamfx.kernels.moe.nvfp4 import modelopt_nvfp4
+
+    with pytest.raises(NVFP4Error, match="quantization_config is 'NVFP4', not a mapping"):
+        modelopt_nvfp4("NVFP4")
