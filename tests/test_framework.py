@@ -643,23 +643,13 @@ def _op_examples(group_name: str) -> dict[str, tuple]:
     }
 
 
-@pytest.fixture(scope="module")
-def world_of_one():
-    """A one-rank gloo group, for the ops that take a group name."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD.group_name
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("name", sorted(ir.REGISTRY))
-def test_every_op_fake_describes_its_outputs(name, world_of_one):
+def test_every_op_fake_describes_its_outputs(name, gloo_world):
     """Inductor lays out the code after an op by its fake's sizes and strides, and vLLM turns
     its size asserts off: a fake that says "like the residual" where the op returns rows laid
     out like x reads wrong values silently. torch's own check (`opcheck`) runs each op on
     inputs laid out back to front, fake against real; every output is contiguous."""
-    examples = _op_examples(world_of_one)
+    examples = _op_examples(gloo_world)
     assert set(examples) == set(ir.REGISTRY), "give every op an example here"
     args = examples[name]
     torch.library.opcheck(ir.REGISTRY[name].op, args, test_utils="test_faketensor")
