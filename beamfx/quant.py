@@ -94,7 +94,15 @@ def check_loaded(model) -> None:
                         f"{name}.{part}: the checkpoint lacks weight_scale_2 of some experts "
                         f"({int(torch.isnan(g).sum())} missing)"
                     )
-                check_scale_values(getattr(module, f"{part}_scale"), g, f"{name}.{part}")
+                scale = getattr(module, f"{part}_scale")
+                # An unloaded weight_scale leaves its rows at the buffer's NaN.
+                unset = scale.float().isnan().all(-1).any(1).nonzero().flatten().tolist()
+                if unset:
+                    raise NVFP4Error(
+                        f"{name}.{part}: the checkpoint lacks the weight_scale of experts "
+                        f"{unset[:8]}{' ...' if len(unset) > 8 else ''}: add them"
+                    )
+                check_scale_values(scale, g, f"{name}.{part}")
 
 
 def nvfp4_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -407,3 +407,16 @@ def test_a_quantization_config_that_is_not_a_mapping_is_named():
 
     with pytest.raises(NVFP4Error, match="quantization_config is 'NVFP4', not a mapping"):
         modelopt_nvfp4("NVFP4")
+
+
+@pytest.mark.parametrize("proj", ["up_proj", "down_proj"])
+def test_a_missing_block_scale_is_named(nvfp4_checkpoint, proj):
+    """A weight_scale left out of the checkpoint was reported as non-finite scales and "the
+    checkpoint is damaged", not as the tensor that is missing."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(f"{nvfp4_checkpoint}/model.safetensors")
+    name = next(k for k in tensors if k.endswith(f"experts.3.{proj}.weight_scale"))
+    del tensors[name]
+    with pytest.raises(NVFP4Error, match=r"lacks the weight_scale of experts \[3\]"):
+        _vllm_load(nvfp4_checkpoint, tensors)
