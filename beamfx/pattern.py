@@ -327,7 +327,10 @@ class FusionPass:
                 c.bind(hints, optional) if isinstance(c, _AnnotatedShapes) else c
                 for c in constraints
             ]
-            self.rules.append(Rule(name or search.__name__, search, replace, bound, dtypes, hints))
+            replacement = _as_op(replace)
+            self.rules.append(
+                Rule(name or search.__name__, search, replacement, bound, dtypes, hints)
+            )
             self._matcher = None
             return search
 
@@ -894,8 +897,7 @@ def _check_replacement(match: pm.Match, gm: torch.fx.GraphModule, label: str) ->
     (out,) = gm.graph.find_nodes(op="output")
 
     def vals(xs) -> list[Any]:
-        leaves = [x for x in torch.utils._pytree.tree_leaves(xs) if x is not None]
-        return [x.meta.get("val") if isinstance(x, torch.fx.Node) else x for x in leaves]
+        return [x.meta.get("val") if isinstance(x, torch.fx.Node) else x for x in _leaves(xs)]
 
     def show(v: Any) -> str:
         if isinstance(v, torch.Tensor):
@@ -950,9 +952,23 @@ def _positional(fn: Callable, names: list[str], present: tuple[str, ...], rule: 
     call.__signature__ = inspect.Signature(
         [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names]
     )
-    name = getattr(fn, "__name__", None) or getattr(fn, "_name", "replacement")  # a CustomOpDef
-    call.__name__ = call.__qualname__ = f"{name}__{'_'.join(present) or 'base'}"
+    call.__name__ = call.__qualname__ = f"{fn.__name__}__{'_'.join(present) or 'base'}"
     return call
+
+
+def _as_op(fn: Callable) -> Callable:
+    """torch.library.custom_op's object as its op (`torch.ops.ns.name`), which the matcher
+    calls, keys and copies as any registered op; anything else as it is."""
+    qualname = getattr(fn, "_qualname", None)
+    if isinstance(qualname, str) and hasattr(fn, "_init_fn"):
+        namespace, name = qualname.split("::")
+        return getattr(getattr(torch.ops, namespace), name)
+    return fn
+
+
+def _leaves(xs: Any) -> list[Any]:
+    """The values of a (nested) output, Nones left out."""
+    return [x for x in torch.utils._pytree.tree_leaves(xs) if x is not None]
 
 
 def _returning(fn: Callable, rule: Rule) -> Callable:
@@ -960,7 +976,7 @@ def _returning(fn: Callable, rule: Rule) -> Callable:
 
     def call(*args):
         out = fn(*args)
-        if not [v for v in torch.utils._pytree.tree_leaves(out) if v is not None]:
+        if not _leaves(out):
             raise TypeError(
                 f"pattern {rule.name} returns nothing: return the tensor(s) it computes, "
                 "the values its replacement stands for"
@@ -983,7 +999,6 @@ def _is(value: Any, kind: type) -> bool:
 def _params(fn: Callable) -> set[str]:
     if isinstance(fn, torch._ops.OpOverloadPacket):
         return {a.name for a in fn.default._schema.arguments}
-    fn = getattr(fn, "_init_fn", fn)  # torch.library.custom_op's object: its function's
     return set(inspect.signature(fn).parameters)
 
 
@@ -1171,9 +1186,6 @@ def _identity(value: Any, depth: int = 0) -> str:
     if isinstance(value, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
         packet = isinstance(value, torch._ops.OpOverloadPacket)
         return f"op:{value._qualified_op_name if packet else value._schema.name}"
-    if isinstance(getattr(value, "_qualname", None), str) and hasattr(value, "_init_fn"):
-        # torch.library.custom_op's object: its name and the code of its implementation
-        return f"op:{value._qualname}:{_identity(value._init_fn, depth + 1)}"
     code = getattr(value, "__code__", None)
     if isinstance(code, types.CodeType):
         cells = []

@@ -144,12 +144,11 @@ class PassManager(CustomGraphPass):
         """Totals over every graph compiled so far, plus the per-graph reports."""
         totals = Counter()
         seconds = Counter()
+        by_range: dict[str, Counter] = {}
         for r in self.reports:
             for p in r.passes:
                 totals[p.name] += p.matches
                 seconds[p.name] += p.seconds
-        by_range: dict[str, Counter] = {}
-        for r in self.reports:
             if r.compile_range is not None:
                 counts = by_range.setdefault(r.compile_range, Counter(graphs=0))
                 counts["graphs"] += 1

@@ -16,16 +16,16 @@ PASS = FusionPass(
     "router GEMM (bf16 x fp32 -> fp32 logits) -> router_gemm; with the sigmoid grouped "
     "top-k routing after it -> routed_topk",
 )
-CONSTRAINTS = [dtype_in("x", torch.bfloat16, torch.float16, torch.float32),
-               shapes_as_annotated("x", "weight")]  # fmt: skip
+X_DTYPE = dtype_in("x", torch.bfloat16, torch.float16, torch.float32)
 
 
-@PASS.rule(replace=lambda x, weight: ir.router_gemm(x, weight), constraints=CONSTRAINTS)
+@PASS.rule(replace=lambda x, weight: ir.router_gemm(x, weight),
+           constraints=[X_DTYPE, shapes_as_annotated("x", "weight")])  # fmt: skip
 def logits(x: Act[T, H], weight: AnyFloat[E, H]):
     return ir.router_logits(x, weight)
 
 
-@PASS.rule(replace=ir.routed_topk, constraints=[*CONSTRAINTS, shapes_as_annotated("x", "weight",
+@PASS.rule(replace=ir.routed_topk, constraints=[X_DTYPE, shapes_as_annotated("x", "weight",
            "correction_bias")])  # fmt: skip
 def routed(x: Act[T, H], weight: AnyFloat[E, H], correction_bias: F32[E], top_k: int,
            n_group: int, topk_group: int, renormalize: bool):  # fmt: skip

@@ -57,9 +57,11 @@ def passes_from_custom_ops(custom_ops: Sequence[str]) -> list[str]:
     enabled, disabled = [], []
     for entry in custom_ops:
         sign, name = entry[:1], entry[1:]
-        if sign in ("+", "-") and not name.startswith(CUSTOM_OP_PREFIX):
-            # "+BEAMFX:boundary", "+ beamfx:boundary", "+beamfx_boundary": read as one of
-            # vLLM's ops, such an entry would leave every beamfx pass on.
+        if sign not in ("+", "-"):
+            continue
+        if not name.startswith(CUSTOM_OP_PREFIX):
+            # One of vLLM's own custom ops; but "+BEAMFX:boundary", "+ beamfx:boundary" or
+            # "+beamfx_boundary", read as one, would leave every beamfx pass on.
             squeezed = name.strip().lower()
             if squeezed.startswith("beamfx"):
                 rest = squeezed[len("beamfx") :].lstrip(":._ ").strip()
@@ -68,8 +70,7 @@ def passes_from_custom_ops(custom_ops: Sequence[str]) -> list[str]:
                     f"'{sign}{CUSTOM_OP_PREFIX}NAME' (lower case, a colon, no spaces): did you "
                     f"mean {sign}{CUSTOM_OP_PREFIX}{rest}?"
                 )
-        if sign not in ("+", "-") or not name.startswith(CUSTOM_OP_PREFIX):
-            continue  # one of vLLM's own custom ops
+            continue
         name = name.removeprefix(CUSTOM_OP_PREFIX)
         if name != "all" and name not in registry.PASSES:
             valid = ", ".join(f"{sign}{CUSTOM_OP_PREFIX}{n}" for n in [*registry.PASSES, "all"])
