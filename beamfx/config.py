@@ -21,6 +21,12 @@ PRE_RELEASE_KEYS = {
 }
 
 
+# Keys a config.json may leave out without changing the model's math: head_dim follows from
+# hidden_size / num_attention_heads, and the others are only checked. Any other key left out
+# takes BeamConfig's default, which is the tiny preset's, not Beam-1.0's: `load_config` warns.
+OPTIONAL_KEYS = ("head_dim", "hidden_act", "tie_word_embeddings", "max_position_embeddings")
+
+
 class BeamConfigError(ValueError):
     """A Beam config value that the released schema does not allow."""
 
@@ -275,6 +281,25 @@ class BeamConfig(PretrainedConfig):
                 )
 
 
+def _warn_missing(path: str, data: dict[str, Any]) -> None:
+    import inspect
+
+    defaults = {
+        k: p.default
+        for k, p in inspect.signature(BeamConfig.__init__).parameters.items()
+        if k not in ("self", "kwargs", *OPTIONAL_KEYS)
+    }
+    missing = [k for k in defaults if k not in data]
+    if missing:
+        given = ", ".join(f"{k}={defaults[k]!r}" for k in missing)
+        warnings.warn(
+            f"Beam config {path!r} does not set {', '.join(missing)}: they take BeamConfig's "
+            f"defaults ({given}), which are a tiny test model's, not Beam-1.0's; write them "
+            "into config.json",
+            stacklevel=3,
+        )
+
+
 def _as_list(value: Any) -> Any:
     return list(value) if isinstance(value, list | tuple) else value
 
@@ -386,6 +411,7 @@ def load_config(source: str | os.PathLike, num_hidden_layers: int | None = None)
         except json.JSONDecodeError as e:
             raise BeamConfigError(f"Beam config {path!r} is not valid JSON: {e}") from None
     data.pop("model_type", None)
+    _warn_missing(path, data)
     if num_hidden_layers is not None:
         data["num_hidden_layers"] = num_hidden_layers
         for key in ("layer_types", "mlp_layer_types"):

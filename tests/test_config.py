@@ -131,6 +131,23 @@ def test_bad_value_in_a_config_json_is_reported_with_its_key(tmp_path):
         load_config(tmp_path)
 
 
+def test_config_json_missing_math_keys_warns_with_the_defaults_it_takes(tmp_path):
+    data = {k: v for k, v in TINY.items() if k not in ("routed_scaling_factor", "n_group")}
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.warns(UserWarning, match=r"does not set n_group, routed_scaling_factor: .*"
+                      r"n_group=1, routed_scaling_factor=1\.0.*tiny") as caught:  # fmt: skip
+        cfg = load_config(tmp_path)
+    assert (cfg.n_group, cfg.routed_scaling_factor) == (1, 1.0)
+    assert len([w for w in caught if "does not set" in str(w.message)]) == 1
+    # head_dim follows from the other keys: leaving it out is no cause to warn.
+    (tmp_path / "config.json").write_text(
+        json.dumps({k: v for k, v in TINY.items() if k != "head_dim"})
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_config(tmp_path).head_dim == 64
+
+
 def test_world_size_that_does_not_divide_the_heads_is_rejected():
     with pytest.raises(BeamConfigError, match=r"num_attention_heads=4 .*world size 3"):
         preset("tiny").check_world_size(3)
