@@ -390,9 +390,16 @@ class FusionPass:
                     return reject(match, why, "keyword arguments")
             # A scalar wildcard binds constants only: a tensor there is another computation.
             for n, t in scalars.items():
-                v = match.kwargs.get(n)
-                if n in match.kwargs and (isinstance(v, torch.fx.Node) or not _is(v, t)):
-                    return False
+                if n not in match.kwargs:
+                    continue
+                v = match.kwargs[n]
+                if isinstance(v, torch.fx.Node):
+                    why = (f"{n} is computed in the graph ({v.name}); the rule's {n}: "
+                           f"{t.__name__} binds a constant")  # fmt: skip
+                    return reject(match, why, "scalar")
+                if not _is(v, t):
+                    why = f"{n} is {v!r}; the rule's {n}: {t.__name__} binds a {t.__name__}"
+                    return reject(match, why, "scalar")
             # Dtypes are part of a variant: the fp32 variant of a pattern that has no casts
             # must not claim the same ops computed in bf16.
             acts = {}

@@ -141,6 +141,24 @@ def test_a_users_pass_constraint_is_explained():
     assert (why.pass_name, why.constraint) == ("scaled_relu", "dtype(x)")
 
 
+def test_a_scalar_of_another_kind_is_explained():
+    """`n: int` does not bind 0.5, nor a scalar the graph computes: both said by explain."""
+    p = FusionPass("int_scale", "relu(x) * n, n an int")
+
+    @p.rule(replace=lambda x, n: torch.clamp(x, min=0) * n)
+    def relu_times(x: Act[T, H], n: int):
+        return torch.relu(x) * n
+
+    x = bst.randn(4, 32, dtype=torch.float32)
+    assert_fusion(lambda x: torch.relu(x) * 3, (x,), [p], matches=1)
+    res = assert_fusion(lambda x: torch.relu(x) * 0.5, (x,), [p], matches=0)
+    (why,) = [e for r in res.manager.reports for e in r.explain]
+    assert why.constraint == "scalar" and why.reason == "n is 0.5; the rule's n: int binds a int"
+    res = assert_fusion(lambda x, y: torch.relu(x) * y.amax(), (x, x), [p], matches=0)
+    (why,) = [e for r in res.manager.reports for e in r.explain]
+    assert why.constraint == "scalar" and "n is computed in the graph" in why.reason
+
+
 PROGRAMS = st.lists(st.sampled_from([torch.sin, torch.exp, torch.tanh, torch.abs]), min_size=1,
                     max_size=4)  # fmt: skip
 
