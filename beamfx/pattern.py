@@ -661,12 +661,30 @@ class Inliner:
         # key -> (the fake mode it was traced in, graph); a graph's fake tensors belong to
         # its mode, so an entry serves only graphs of the same mode (vLLM's pieces share one).
         self._cache: dict[Any, tuple[Any, torch.fx.GraphModule]] = {}
+        # Signatures whose replacement computes on its scalars: traced per value.
+        self._computes_on_scalars: set[Any] = set()
+        self._other_sentinels: dict[Any, bool] = {}
         # Replacements spliced in that hold a mutating op (`run_matcher` then recomputes
         # the graph's mutation regions).
         self.mutating_splices = 0
 
     def clear(self) -> None:
         self._cache.clear()
+        self._computes_on_scalars.clear()
+        self._other_sentinels.clear()
+
+    def _passes_scalars_through(self, fn, mode, gm, traced, values, sentinels) -> bool:
+        """Whether the replacement `gm` (traced with sentinel scalars) serves every value:
+        each sentinel reaches the graph (else a scalar is used in Python only: a branch, a
+        derived constant), and a trace with other sentinels is the same graph (asked once
+        per replacement and kinds of scalars; a second trace costs as much as the first)."""
+        if not _sentinels_reach(gm, sentinels):
+            return False
+        kinds = (fn, tuple(v for v in values if v[0] != "t"))
+        if kinds not in self._other_sentinels:
+            self._other_sentinels[kinds] = _same_for_other_sentinels(fn, mode, gm, traced,
+                                                                     sentinels)  # fmt: skip
+        return self._other_sentinels[kinds]
 
     def replace(self, match: pm.Match, fn: Callable, args: list[Any], specs: dict[str, Any],
                 names: list[str], label: str = "a replacement") -> None:  # fmt: skip
@@ -701,13 +719,19 @@ class Inliner:
             # Outside Inductor (a graph traced by hand): the inputs' own fake mode, if any.
             mode = torch._guards.detect_fake_mode(traced)
         key = (fn, id(mode), tuple(values))
+        if key in self._computes_on_scalars:
+            key, traced, sentinels = _by_value(fn, mode, values, traced, sentinels)
         owner, gm = self._cache.get(key, (None, None))
         if gm is None or owner is not mode:
-            from torch.fx._lazy_graph_module import _use_lazy_graph_module
-
-            # Only the graph is read (copied in): lazy modules skip generating Python code.
-            with mode or nullcontext(), _use_lazy_graph_module(True):
-                gm = pm.fwd_only(fn, traced)
+            gm = _trace_replacement(fn, mode, traced)
+            if sentinels and not self._passes_scalars_through(fn, mode, gm, traced, values,
+                                                              sentinels):  # fmt: skip
+                # The replacement computes on a scalar (`1 / s`, `s if s > 0 else ...`)
+                # rather than passing it to ops: its graph holds for the sentinel only.
+                # Traced with the match's own values, keyed on them.
+                self._computes_on_scalars.add(key)
+                key, traced, sentinels = _by_value(fn, mode, values, traced, sentinels)
+                gm = _trace_replacement(fn, mode, traced)
             if len(self._cache) >= self.MAX_ENTRIES:
                 self._cache.clear()
             self._cache[key] = (mode, gm)
@@ -715,6 +739,98 @@ class Inliner:
         if _mutates(gm):
             self.mutating_splices += 1
         _splice(match, gm, args, sentinels)
+
+
+def _trace_replacement(fn: Callable, mode: Any, inputs: list[Any]) -> torch.fx.GraphModule:
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    # Only the graph is read (copied in): lazy modules skip generating Python code.
+    with mode or nullcontext(), _use_lazy_graph_module(True):
+        return pm.fwd_only(fn, inputs)
+
+
+# A second set of sentinels, of the other sign and above 1 (so that a branch on a scalar
+# takes its other side): a replacement traced with both gives one graph, up to the
+# sentinels, only if it passes its scalars to ops unchanged.
+_ALT_FLOAT = {f: -3.17 - 0.011 * i for i, f in enumerate(_FLOAT_SENTINELS)}
+
+
+def _same_for_other_sentinels(fn, mode, gm, traced, sentinels) -> bool:
+    try:
+        other = _trace_replacement(fn, mode, _resentineled(traced, sentinels))
+    except Exception:  # e.g. math.sqrt of the negative sentinel
+        return False
+    return _same_graph(gm, other, sentinels)
+
+
+def _sentinels_reach(gm: torch.fx.GraphModule, sentinels: dict[Any, Any]) -> bool:
+    found = {
+        a
+        for n in gm.graph.nodes
+        for a in pm.pytree.tree_leaves((n.args, n.kwargs), is_leaf=_is_node)
+        if _is_sentinel(a, sentinels)
+    }
+    return len(found) == len(sentinels)
+
+
+def _alt(sentinel: Any) -> Any:
+    return _ALT_FLOAT[sentinel] if isinstance(sentinel, float) else f"{sentinel}alt"
+
+
+def _resentineled(traced: list[Any], sentinels: dict[Any, Any]) -> list[Any]:
+    return [_alt(a) if _is_sentinel(a, sentinels) else a for a in traced]
+
+
+def _is_sentinel(a: Any, sentinels: dict[Any, Any]) -> bool:
+    return isinstance(a, (float, str)) and a in sentinels
+
+
+def _by_value(fn, mode, values, traced, sentinels):
+    """The cache key and inputs of a replacement traced with the match's own scalars."""
+    real = [sentinels[a] if _is_sentinel(a, sentinels) else a for a in traced]
+    keyed = [("c", r) if v[0] == "s" else v for v, r in zip(values, real)]
+    return (fn, id(mode), tuple(keyed)), real, {}
+
+
+def _same_graph(a: torch.fx.GraphModule, b: torch.fx.GraphModule, sentinels: dict) -> bool:
+    """Whether `a` (traced with `sentinels`) and `b` (with their `_alt`s) are one graph up to
+    the sentinels: same nodes, targets and arguments, each sentinel where the other's is."""
+    na, nb = list(a.graph.nodes), list(b.graph.nodes)
+    if len(na) != len(nb):
+        return False
+    ia, ib = {n: i for i, n in enumerate(na)}, {n: i for i, n in enumerate(nb)}
+    names = {s: i for i, s in enumerate(sentinels)}
+    alts = {_alt(s): i for s, i in names.items()}
+
+    def norm(x: Any, index: dict, marks: dict) -> Any:
+        if isinstance(x, torch.fx.Node):
+            return ("node", index[x])
+        if isinstance(x, (float, str)) and x in marks:
+            return ("scalar", marks[x])
+        return x
+
+    for x, y in zip(na, nb):
+        if (x.op, x.target) != (y.op, y.target):
+            return False
+        args_x = pm.pytree.tree_map(lambda v: norm(v, ia, names), (x.args, x.kwargs),
+                                    is_leaf=_is_node)  # fmt: skip
+        args_y = pm.pytree.tree_map(lambda v: norm(v, ib, alts), (y.args, y.kwargs),
+                                    is_leaf=_is_node)  # fmt: skip
+        if args_x != args_y:
+            return False
+        if x.op == "get_attr":
+            vx, vy = getattr(a, x.target), getattr(b, y.target)
+            if isinstance(vx, torch.Tensor) or isinstance(vy, torch.Tensor):
+                if not (isinstance(vx, torch.Tensor) and isinstance(vy, torch.Tensor)):
+                    return False
+                try:
+                    if vx.shape != vy.shape or not torch.equal(vx, vy):
+                        return False
+                except Exception:  # a fake constant has no values to compare
+                    return False
+            elif vx != vy:
+                return False
+    return True
 
 
 # Metadata a new output node takes from the node it replaces (as Inductor's replacement).
@@ -902,6 +1018,12 @@ def _check_replacement(match: pm.Match, gm: torch.fx.GraphModule, label: str) ->
     the same dtype and rank and no size provably different. Otherwise the code after the
     match would read values of another shape or type (or None) without an error."""
     (out,) = gm.graph.find_nodes(op="output")
+    if gm.graph.find_nodes(op="get_attr"):
+        raise TypeError(
+            f"{label}: the replacement makes a tensor constant (torch.tensor(...) of a value), "
+            "which Inductor cannot splice into a graph: pass scalars to ops (x * s), or "
+            "make the tensor with torch.full(..., s) inside the replacement"
+        )
 
     def vals(xs) -> list[Any]:
         return [x.meta.get("val") if isinstance(x, torch.fx.Node) else x for x in _leaves(xs)]

@@ -1,6 +1,7 @@
 """The pass framework itself: pass lists and uuids, a user's own pass, no-ops, explain."""
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -132,6 +133,36 @@ def test_a_users_pass_captures_its_scalar(s, t, seed):
     x = bst.randn(t, 32, dtype=torch.float32, seed=seed)
     res = assert_fusion(lambda x: torch.relu(x) * s + 1, (x,), [scaled_relu], matches=1)
     assert res.matches("scaled_relu") == 1
+
+
+def _computing_on_s(replace):
+    p = FusionPass("derived", "relu(x) * s, rewritten with arithmetic on s")
+    p.rule(replace=replace, constraints=[dtype_in("x", torch.float32)])(relu_scale)
+    return p
+
+
+# Replacements traced once per signature with sentinel scalars: one that computes on its
+# scalar (1 / s) baked the sentinel's result into every match (outputs off by up to 5).
+@pytest.mark.parametrize("replace", [
+    lambda x, s: torch.clamp_min(x, 0.0) / (1.0 / s),
+    lambda x, s: torch.clamp_min(x, 0.0) * (s if s > 0.5 else -0.75),
+    lambda x, s: torch.clamp_min(x, 0.0) * (math.sqrt(s) ** 2 if s > 0 else s),
+    lambda x, s: torch.clamp_min(x, 0.0) * torch.full((), s),
+], ids=["reciprocal", "branch-on-s", "sqrt", "full"])  # fmt: skip
+def test_a_replacement_that_computes_on_its_scalar_gets_each_matchs_value(replace):
+    x, y = bst.randn(4, 32, seed=1).float(), bst.randn(4, 32, seed=2).float()
+    fn = lambda x, y: (torch.relu(x) * 2.0, torch.relu(y) * -0.75)  # noqa: E731
+    tol = (1e-6, 1e-6)  # 1 / (1 / s) and sqrt(s) ** 2 are s to a last bit
+    assert_fusion(fn, (x, y), [_computing_on_s(replace)], matches=2, tolerance=tol)
+
+
+def test_a_replacement_that_makes_a_tensor_constant_is_named():
+    p = _computing_on_s(lambda x, s: torch.clamp_min(x, 0.0) * torch.tensor(s))
+    x = bst.randn(4, 32, seed=1).float()
+    with pytest.raises(
+        Exception, match=r"pass derived, rule relu_scale: .*makes a tensor constant"
+    ):
+        compile_with(lambda x: torch.relu(x) * 2.0, [p])[0](x)
 
 
 def test_a_users_pass_constraint_is_explained():
