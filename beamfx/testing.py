@@ -3,17 +3,26 @@
 Public API for anyone testing a pass, beamfx's or their own:
 
     from hypothesis import given
-    from beamfx.testing import assert_fusion, strategies as bst
+    from beamfx.testing import assert_fusion, load_profile, strategies as bst
+    from my_passes import MY_PASS  # a FusionPass (or a beamfx pass's name: "boundary")
+
+    load_profile()  # beamfx's hypothesis profiles (usually from a conftest.py)
 
     @given(t=bst.token_counts(), eps=bst.epsilons())
     def test_my_pass(t, eps):
         x = bst.randn(t, 64)
-        assert_fusion(lambda x: my_math(x, eps), (x,), "my_pass", matches=1)
+        assert_fusion(lambda x: my_math(x, eps), (x,), [MY_PASS], matches=1)
 
 `assert_fusion` compiles with and without the pass through `torch.compile` and checks
-the exact match count, the numerics against eager (bitwise by default), that running the
-pass again finds nothing (no unfused instance left, idempotence), and that the pass
-manager's uuid is stable and changes with the pass list.
+the exact match count, the numerics against eager (bitwise by default), the inputs after
+the run (a function or fused op that writes into an input must write what eager writes;
+each run gets its own copies), that running the pass again finds nothing (no unfused
+instance left, idempotence), and that the pass manager's uuid is stable and changes with
+the pass list.
+
+Hypothesis profiles: `load_profile()` registers "ci" (12 examples, the default) and
+"thorough" (300) and loads the one `HYPOTHESIS_PROFILE` names; call it from a conftest.py.
+A compile takes seconds, past hypothesis' default deadline: both profiles have none.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from beamfx.pipeline import op_counts as op_counts  # re-exported for tests
 
 __all__ = [
     "assert_fusion",
+    "load_profile",
     "FusionResult",
     "strategies",
     "compile_with",
@@ -47,6 +57,34 @@ class FusionResult:
 
     def matches(self, name: str) -> int:
         return sum(r.matches(name) for r in self.manager.reports)
+
+
+PROFILES = {"ci": 12, "thorough": 300}  # examples per test
+
+
+def load_profile(name: str | None = None) -> str:
+    """Register beamfx's hypothesis profiles and load `name` (default: the environment's
+    HYPOTHESIS_PROFILE, else "ci"); returns the name loaded."""
+    import os
+
+    from hypothesis import HealthCheck, settings
+
+    for key, examples in PROFILES.items():
+        settings.register_profile(
+            key,
+            max_examples=examples,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+            print_blob=True,
+        )
+    name = name or os.environ.get("HYPOTHESIS_PROFILE") or "ci"
+    if name not in PROFILES:
+        raise ValueError(
+            f"hypothesis profile {name!r} (HYPOTHESIS_PROFILE) is not one of beamfx's: "
+            f"choose one of {sorted(PROFILES)}"
+        )
+    settings.load_profile(name)
+    return name
 
 
 # Inductor options vLLM's CPU platform sets: no size or stride asserts, so an op's fake that
@@ -86,20 +124,24 @@ def assert_fusion(
 ) -> FusionResult:
     """Compile `fn(*args)` with `passes` and check the fusion (see the module docstring).
 
-    `matches`: exact count per pass name (an int means: the single pass named). The
-    reference is eager `fn` unless `reference` is given. `tolerance` is "bitwise" or
-    (atol, rtol) for `torch.testing.assert_close`. `options`: further Inductor options,
-    such as `VLLM_CPU_INDUCTOR`.
+    `matches`: exact count per pass (keyed by name or by the FusionPass; an int when one
+    pass is chosen). The reference is eager `fn` unless `reference` is given. `tolerance`
+    is "bitwise" or (atol, rtol) for `torch.testing.assert_close`. `options`: further
+    Inductor options, such as `VLLM_CPU_INDUCTOR`.
     """
+    _check_tolerance(tolerance)
     torch.compiler.reset()
-    expected = (fn if reference is None else reference)(*args)
     compiled, manager = compile_with(fn, passes, options=options, verify=True, explain=True)
-    output = compiled(*args)
+    want = _wanted(matches, manager)
+    # Each run gets its own copies of the inputs: a function that writes into one (an
+    # out= buffer, an in-place residual) must not hand the compiled run eager's result.
+    eager_args, compiled_args = _copies(args), _copies(args)
+    expected = (fn if reference is None else reference)(*eager_args)
+    output = compiled(*compiled_args)
 
-    names = manager.names
-    want = {names[0]: matches} if isinstance(matches, int) else dict(matches)
-    got = {n: sum(r.matches(n) for r in manager.reports) for n in want}
     why = "\n" + manager.format_text()
+    assert manager.reports, f"no graph reached the passes: fn ran without a compiled graph{why}"
+    got = {n: sum(r.matches(n) for r in manager.reports) for n in want}
     assert got == want, f"match counts {got} != expected {want}{why}"
 
     for r in manager.reports:
@@ -107,29 +149,91 @@ def assert_fusion(
             assert not p.rematches, f"pass {p.name} matched again after running{why}"
 
     _assert_close(output, expected, tolerance)
+    _assert_close(compiled_args, eager_args, tolerance, what="input (after the run)")
 
     assert PassManager(passes).uuid() == manager.uuid(), "uuid is not stable"
     chosen = [passes] if isinstance(passes, str) else list(passes)
-    others = [n for n in ("boundary", "router_gemm", "attn_gate") if n not in names]
+    others = [n for n in ("boundary", "router_gemm", "attn_gate") if n not in manager.names]
     if others:
         changed = PassManager([*chosen, others[0]]).uuid()
         assert changed != manager.uuid(), "uuid did not change with the pass list"
     return FusionResult(output, expected, manager)
 
 
-def _assert_close(output: Any, expected: Any, tolerance) -> None:
-    outs = output if isinstance(output, (tuple, list)) else (output,)
-    exps = expected if isinstance(expected, (tuple, list)) else (expected,)
-    assert len(outs) == len(exps), f"{len(outs)} outputs, expected {len(exps)}"
+def _wanted(matches: Any, manager: PassManager) -> dict[str, int]:
+    """`matches` as {pass name: count}, every key a stage of the pipeline."""
+    if isinstance(matches, bool) or not isinstance(matches, (int, dict)):
+        raise TypeError(f"assert_fusion: matches={matches!r}: give an int or {{pass: count}}")
+    if isinstance(matches, int):
+        if len(manager.names) != 1:
+            raise ValueError(
+                f"assert_fusion: matches={matches} is for one pass, but passes are "
+                f"{manager.names}: give {{pass: count}} for each"
+            )
+        return {manager.names[0]: matches}
+    if not matches:
+        raise ValueError("assert_fusion: matches={} checks nothing: name a pass and its count")
+    want = {getattr(k, "name", k): v for k, v in matches.items()}
+    unknown = [k for k in want if k not in manager.stages]
+    if unknown:
+        raise ValueError(
+            f"assert_fusion: matches names {unknown}, not in the pipeline "
+            f"{manager.stages}: a misspelled name would be counted 0 and always agree"
+        )
+    return want
+
+
+def _check_tolerance(tolerance: Any) -> None:
+    ok = tolerance == "bitwise" or (
+        isinstance(tolerance, tuple)
+        and len(tolerance) == 2
+        and all(isinstance(t, (int, float)) and t >= 0 for t in tolerance)
+    )
+    if not ok:
+        raise ValueError(
+            f"assert_fusion: tolerance={tolerance!r}: give 'bitwise' or (atol, rtol), "
+            "two numbers >= 0"
+        )
+
+
+def _copies(args: Sequence[Any]) -> list[Any]:
+    """Copies of the tensors in `args` with the same sizes and strides (a transposed or
+    sliced input stays one); other values as they are."""
+
+    def copy(a: Any) -> Any:
+        if not isinstance(a, torch.Tensor):
+            return a
+        if 0 in a.stride():
+            return a.clone()  # an expanded view: a copy cannot write overlapping elements
+        out = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+        return out.copy_(a)
+
+    return [torch.utils._pytree.tree_map(copy, a) for a in args]
+
+
+def _assert_close(output: Any, expected: Any, tolerance, what: str = "output") -> None:
+    outs, out_spec = torch.utils._pytree.tree_flatten(output)
+    exps, exp_spec = torch.utils._pytree.tree_flatten(expected)
+    assert out_spec == exp_spec, f"{what}s are structured as {out_spec}, expected {exp_spec}"
     for i, (o, e) in enumerate(zip(outs, exps)):
+        if not isinstance(o, torch.Tensor) or not isinstance(e, torch.Tensor):
+            assert type(o) is type(e) and (o == e or o != o and e != e), (
+                f"{what} {i} is {o!r}, expected {e!r}"
+            )
+            continue
+        assert o.dtype == e.dtype and o.shape == e.shape, (
+            f"{what} {i} is {o.dtype}{list(o.shape)}, expected {e.dtype}{list(e.shape)}"
+        )
         if tolerance == "bitwise":
-            diff = (o.double() - e.double()).abs().max().item() if o.numel() else 0.0
-            same = o.dtype == e.dtype and o.shape == e.shape and torch.equal(_bits(o), _bits(e))
-            assert same, f"output {i} is not bitwise equal to the reference (max diff {diff})"
+            if not torch.equal(_bits(o), _bits(e)):
+                diff = (o.double() - e.double()).abs().max().item()
+                raise AssertionError(
+                    f"{what} {i} is not bitwise equal to the reference (max diff {diff})"
+                )
         else:
             atol, rtol = tolerance
             torch.testing.assert_close(
-                o, e, atol=atol, rtol=rtol, msg=lambda m, i=i: f"output {i}: {m}"
+                o, e, atol=atol, rtol=rtol, msg=lambda m, i=i: f"{what} {i}: {m}"
             )
 
 
@@ -141,17 +245,29 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Distance in units in the last place between same-dtype float tensors (int64)."""
+    """Distance in units in the last place between same-dtype float tensors (int64). A NaN
+    on one side only is as far as two values can be (int64 max); NaN against NaN is 0."""
     if a.dtype != b.dtype:
         raise TypeError(f"ulps: dtypes differ ({a.dtype} vs {b.dtype}); compare like with like")
-    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
-    low = {torch.int16: -(1 << 15), torch.int32: -(1 << 31)}[bits[a.dtype]]
+    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
+            torch.float64: torch.int64}  # fmt: skip
+    if a.dtype not in bits:
+        raise TypeError(f"ulps: dtype {a.dtype} is not a float dtype: give one of {list(bits)}")
+    low = {torch.int16: -(1 << 15), torch.int32: -(1 << 31), torch.int64: -(1 << 63)}[bits[a.dtype]]
 
     def ordered(t):
         i = t.contiguous().view(bits[t.dtype]).long()
         return torch.where(i < 0, low - i, i)
 
-    return (ordered(a) - ordered(b)).abs()
+    far = torch.iinfo(torch.int64).max
+    one_nan = a.isnan() != b.isnan()
+    oa, ob = ordered(a), ordered(b)
+    d = (oa - ob).abs()
+    if a.dtype == torch.float64:  # across zero the int64 difference can overflow: in double
+        across = (oa.double().abs() + ob.double().abs()).clamp_max(far).long()
+        d = torch.where((oa < 0) != (ob < 0), across, d)
+    d = torch.where(a.isnan() & b.isnan(), 0, d)
+    return torch.where(one_nan, far, d)
 
 
 def ulp_at(magnitude: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -249,13 +365,17 @@ class strategies:  # noqa: N801 (a namespace: `bst.token_counts()`)
 
     @staticmethod
     def routing(max_experts: int = 16):
-        """(num_experts, top_k, n_group, topk_group) that the Beam config accepts."""
+        """(num_experts, top_k, n_group, topk_group) that the Beam config accepts, with at
+        most `max_experts` (>= 2) experts."""
         from hypothesis import strategies as st
+
+        if max_experts < 2:
+            raise ValueError(f"routing: max_experts={max_experts}; a routed layer needs 2 or more")
 
         @st.composite
         def build(draw):
-            n_group = draw(st.sampled_from([1, 2, 4]))
-            per_group = draw(st.integers(2, max(2, max_experts // n_group)))
+            n_group = draw(st.sampled_from([g for g in (1, 2, 4) if 2 * g <= max_experts]))
+            per_group = draw(st.integers(2, max_experts // n_group))
             topk_group = draw(st.integers(1, n_group))
             top_k = draw(st.integers(1, min(8, topk_group * per_group)))
             return n_group * per_group, top_k, n_group, topk_group
@@ -304,6 +424,10 @@ class strategies:  # noqa: N801 (a namespace: `bst.token_counts()`)
 
     @staticmethod
     def randn(*shape: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0, scale: float = 1.0):
-        """Random (never zero) test data, deterministic per seed."""
+        """Random test data, deterministic per seed: normal with std `scale`, no zeros
+        (values that round to zero in `dtype` become its smallest normal, signed)."""
         g = torch.Generator().manual_seed(seed)
-        return (torch.randn(shape, generator=g) * scale).to(dtype)
+        x = torch.randn(shape, generator=g) * scale
+        tiny = torch.finfo(dtype).tiny if dtype.is_floating_point else 1
+        x = torch.where(x.abs() < tiny, torch.where(x < 0, -tiny, tiny), x)
+        return x.to(dtype)

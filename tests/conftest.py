@@ -3,26 +3,11 @@
 HYPOTHESIS_PROFILE=ci (default: few examples, quick) or thorough (many examples).
 """
 
-import os
-
 import pytest
-from hypothesis import HealthCheck, settings
 
-settings.register_profile(
-    "ci",
-    max_examples=12,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-    print_blob=True,
-)
-settings.register_profile(
-    "thorough",
-    max_examples=300,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-    print_blob=True,
-)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+from beamfx.testing import load_profile
+
+load_profile()
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,139 @@
+"""beamfx.testing itself: a checker that passes a wrong pass is the worst bug a test kit has.
+
+Each test here feeds `assert_fusion` (or a helper) a case it must refuse, and one it must
+accept, so that neither side can hold by accident.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+from beamfx.pattern import Act, FusionPass, H, T, dtype_in
+from beamfx.testing import assert_fusion, load_profile, ulps
+from beamfx.testing import strategies as bst
+
+
+def _relu_pass(name: str, off: float = 0.0) -> FusionPass:
+    """relu(x) * s -> clamp_min(x, 0) * s (+ off: a deliberately wrong rewrite)."""
+    p = FusionPass(name, "relu(x) * s, rewritten")
+
+    @p.rule(replace=lambda x, s: torch.clamp_min(x, 0.0) * s + off,
+            constraints=[dtype_in("x", torch.float32)])  # fmt: skip
+    def relu_scale(x: Act[T, H], s: float):
+        return torch.relu(x) * s
+
+    return p
+
+
+GOOD, OFF = _relu_pass("good"), _relu_pass("off", off=1e-3)
+X = bst.randn(4, 32, seed=1).float()
+
+
+def _into_out(x, out):
+    out.copy_(torch.relu(x) * 2.0)
+    return out
+
+
+def _in_place(x, r):
+    r.add_(torch.relu(x) * 2.0)
+    return x + 1.0
+
+
+def test_a_function_writing_into_an_input_is_checked_on_its_own_copies():
+    # The reference used to return the out= buffer itself, which the compiled run then
+    # overwrote: the output was compared with itself, and the wrong pass passed.
+    out = torch.zeros(4, 32)
+    with pytest.raises(AssertionError, match="output 0 is not bitwise equal"):
+        assert_fusion(_into_out, (X, out), [OFF], matches=1)
+    assert_fusion(_into_out, (X, out), [GOOD], matches=1)
+    assert torch.equal(out, torch.zeros(4, 32))  # the caller's tensors are left alone
+    # The input it writes is compared too: here the output alone shows nothing.
+    r = bst.randn(4, 32, seed=2).float()
+    with pytest.raises(AssertionError, match="input .after the run. 1 is not bitwise"):
+        assert_fusion(_in_place, (X, r), [OFF], matches=1, tolerance="bitwise")
+    # Before: eager's writes reached the compiled run's inputs, so a correct pass failed.
+    assert_fusion(_in_place, (X, r), [GOOD], matches=1)
+
+
+def test_a_transposed_input_keeps_its_strides_in_the_copies():
+    seen = []
+
+    def fn(x):
+        seen.append(x.stride())
+        return torch.relu(x) * 2.0
+
+    xt = bst.randn(32, 4, seed=3).float().t()
+    assert_fusion(fn, (xt,), [GOOD], matches=1)
+    assert set(seen) == {(1, 4)}
+
+
+@pytest.mark.parametrize("matches, error", [
+    ({"godo": 1}, r"matches names \['godo'\], not in the pipeline"),
+    ({}, r"matches=\{\} checks nothing"),
+    (1, r"matches=1 is for one pass, but passes are \['good', 'off'\]"),
+    (True, "give an int or"),
+])  # fmt: skip
+def test_match_counts_that_could_not_fail_are_refused(matches, error):
+    with pytest.raises((ValueError, TypeError), match=error):
+        assert_fusion(lambda x: torch.relu(x) * 2.0, (X,), [GOOD, OFF], matches=matches)
+
+
+def test_match_counts_are_keyed_by_name_or_by_the_pass():
+    fn = lambda x: torch.relu(x) * 2.0  # noqa: E731
+    assert_fusion(fn, (X,), [GOOD], matches={GOOD: 1, "lower": 0})
+    with pytest.raises(AssertionError, match=r"match counts \{'good': 1\} != expected"):
+        assert_fusion(fn, (X,), [GOOD], matches={GOOD: 0})
+
+
+def test_a_misspelled_tolerance_is_refused():
+    with pytest.raises(ValueError, match=r"tolerance='bitwize'.*'bitwise' or \(atol, rtol\)"):
+        assert_fusion(lambda x: torch.relu(x) * 2.0, (X,), [GOOD], matches=1, tolerance="bitwize")
+
+
+def test_outputs_are_compared_leaf_by_leaf_in_any_structure():
+    def nested(x):
+        y = torch.relu(x) * 2.0
+        return {"y": y, "pair": (y + 1, None), "n": 3}
+
+    assert_fusion(nested, (X,), [GOOD], matches=1)
+    with pytest.raises(AssertionError, match="output 0 is not bitwise equal"):
+        assert_fusion(nested, (X,), [OFF], matches=1)
+    with pytest.raises(AssertionError, match=r"output 0 is torch.float32\[4, 32\], expected "
+                       r"torch.float32\[32\]"):  # fmt: skip
+        assert_fusion(lambda x: torch.relu(x) * 2.0, (X,), [GOOD], matches=1,
+                      reference=lambda x: x[0])  # fmt: skip
+
+
+def test_ulps_puts_a_one_sided_nan_furthest():
+    nan, one = torch.tensor([float("nan")]), torch.tensor([1.0])
+    far = torch.iinfo(torch.int64).max
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        a, b = nan.to(dtype), one.to(dtype)
+        assert ulps(a, b).item() == far and ulps(b, a).item() == far
+        assert ulps(a, a).item() == 0
+        assert ulps(b, b + torch.finfo(dtype).eps).item() == 1
+    with pytest.raises(TypeError, match="torch.int32 is not a float dtype"):
+        ulps(torch.ones(2, dtype=torch.int32), torch.ones(2, dtype=torch.int32))
+
+
+@given(routing=bst.routing(max_experts=4))
+def test_routing_stays_within_max_experts(routing):
+    experts, top_k, n_group, topk_group = routing
+    assert experts <= 4 and experts % n_group == 0 and top_k <= topk_group * experts // n_group
+
+
+def test_randn_has_no_zeros_even_far_below_its_dtypes_range():
+    for seed in range(3):
+        x = bst.randn(4096, dtype=torch.float16, scale=1e-4, seed=seed)
+        assert (x != 0).all()
+
+
+def test_profiles_come_with_the_kit():
+    try:
+        assert load_profile("thorough") == "thorough"
+        assert settings().max_examples == 300 and settings().deadline is None
+        with pytest.raises(ValueError, match="'thourough'.*one of \\['ci', 'thorough'\\]"):
+            load_profile("thourough")
+    finally:
+        load_profile()
+    assert settings().max_examples == 12
