@@ -2,8 +2,10 @@
 
 Tolerances (logits are fp32; "scale" is the largest |logit|):
 - semantic front end compiled with Inductor's `emulate_precision_casts` (every bf16
-  rounding of the contract kept): final hidden states bitwise equal; logits within 1e-5,
-  from the fp32 softcap alone (measured 2.4e-7).
+  rounding of the contract kept): final hidden states bitwise equal at the test prompt;
+  logits within 1e-5, from the fp32 softcap alone (measured 2.4e-7). Not at every prompt:
+  Inductor's norms sum a row in another order than eager, and at 64 tokens a few
+  elements move by one bf16 ulp where the fp32 sum's last bit crosses a rounding.
 - Inductor defaults, either front end: within 3% of scale (measured 1.2-1.4% on the
   tiny model): fused elementwise code skips the contract's intermediate bf16 roundings.
 - bf16 model vs the fp64 reference on random small configs: within 5% of scale

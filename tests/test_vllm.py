@@ -81,7 +81,9 @@ def test_wrong_pass_name_lists_valid_names(integration):
 
 
 @pytest.mark.parametrize("entry", ["+BEAMFX:boundary", "+ beamfx:boundary", "+beamfx.boundary",
-                                   "+beamfx_boundary", "-Beamfx:boundary"])  # fmt: skip
+                                   "+beamfx_boundary", "-Beamfx:boundary", "+boundary",
+                                   "-boundary", "+bemfx:boundary", "+beam:boundary",
+                                   "+vllm:boundary"])  # fmt: skip
 def test_a_misspelled_prefix_is_refused(integration, entry):
     """Read as one of vLLM's own ops, "+BEAMFX:boundary" left every beamfx pass on."""
     from beamfx.passes import UnknownPassError
@@ -89,6 +91,11 @@ def test_a_misspelled_prefix_is_refused(integration, entry):
     sign = entry[0]
     with pytest.raises(UnknownPassError, match=f"did you mean \\{sign}beamfx:boundary"):
         integration.passes_from_custom_ops([entry])
+
+
+def test_vllms_own_custom_ops_pass_through(integration):
+    ops = ["+rms_norm", "-silu_and_mul", "+quant_fp8", "none", "all", "+beamfx:boundary"]
+    assert integration.passes_from_custom_ops(ops) == ["boundary"]
 
 
 def test_conflicting_entries_are_refused(integration):
@@ -143,6 +150,78 @@ def test_custom_ops_without_the_pass_say_so(integration):
 
     with pytest.raises(UnknownPassError, match="'\\+beamfx:typo'"):
         integration.bind(_engine_config(["+beamfx:typo"], with_pass=False))
+
+
+def test_the_pass_put_under_inductors_own_options_is_refused(integration):
+    # There Inductor calls the string "beamfx.vllm_pass" and fails mid-start-up.
+    from vllm.config import CompilationConfig, VllmConfig
+
+    options = {"inductor_compile_config": {PASS_KEY: "beamfx.vllm_pass"}}
+    config = VllmConfig(compilation_config=CompilationConfig(custom_ops=["+beamfx:all"], **options))
+    with pytest.raises(ValueError, match="put it under inductor_passes"):
+        integration.bind(config)
+
+
+def _bind_logging(integration, config):
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.beamfx")
+    logger.addHandler(handler)
+    try:
+        bound = integration.bind(config)
+    finally:
+        logger.removeHandler(handler)
+    return bound, [r.getMessage() for r in records]
+
+
+def test_passes_chosen_with_compilation_off_say_none_runs(integration):
+    from vllm.config import CompilationConfig, VllmConfig
+
+    passes = {"inductor_passes": {PASS_KEY: "beamfx.vllm_pass"}}
+    off = VllmConfig(compilation_config=CompilationConfig(custom_ops=["+beamfx:all"], **passes,
+                                                          mode=0))  # fmt: skip
+    eager = _engine_config(["+beamfx:all"])
+    eager.compilation_config.backend = "eager"
+    for config, why in ((off, "compilation is off"), (eager, "backend is 'eager'")):
+        _, messages = _bind_logging(integration, config)
+        assert any(why in m and "no beamfx pass runs" in m for m in messages), messages
+    _, messages = _bind_logging(integration, _engine_config(["+beamfx:all"]))
+    assert not any("no beamfx pass runs" in m for m in messages), messages
+
+
+def test_the_report_is_written_at_start_up(integration, monkeypatch, tmp_path):
+    # A start whose graphs all came from a compile cache wrote nothing, and a report left by
+    # an earlier start with another pass list read as this one's.
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps({"passes": ["attn_gate"], "graphs": 9}))
+    monkeypatch.setenv("BEAMFX_REPORT", str(path))
+    integration.bind(_engine_config(["+beamfx:boundary"]))
+    report = json.loads(path.read_text())
+    assert (report["passes"], report["graphs"]) == (["boundary"], 0)
+
+
+def test_the_report_says_why_a_candidate_did_not_fuse(integration):
+    """Under vLLM nothing could turn explain on: an fp32 model fused no boundary, and the
+    report's explain lists were empty, which read as nothing refused."""
+    import torch
+
+    from beamfx import ops as ir
+
+    w = torch.ones(32)  # fp32, so the boundary kernel's bf16 constraint refuses it
+
+    def sandwich(x, r):
+        h = ir.scaled_residual_add(ir.rms_norm(x, w, 1e-6), r, 0.5, 0.75)
+        return h, ir.rms_norm(h, w, 1e-6)
+
+    bound = integration.VllmPass(["+beamfx:boundary"])
+    options = {"post_grad_custom_post_pass": bound, "fx_graph_cache": False}
+    torch._dynamo.reset()
+    torch.compile(sandwich, options=options)(torch.ones(4, 32), torch.ones(4, 32))
+    (report,) = bound.summary()["per_graph"]
+    assert report["passes"][1]["matches"] == 0
+    assert any("float32" in e["reason"] for e in report["explain"]), report["explain"]
+    assert "not fused:" in bound.format_text()
 
 
 def test_report_paths_of_ranks_and_data_parallel_engines(integration, monkeypatch):

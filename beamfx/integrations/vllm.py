@@ -60,15 +60,14 @@ def passes_from_custom_ops(custom_ops: Sequence[str]) -> list[str]:
         if sign not in ("+", "-"):
             continue
         if not name.startswith(CUSTOM_OP_PREFIX):
-            # One of vLLM's own custom ops; but "+BEAMFX:boundary", "+ beamfx:boundary" or
-            # "+beamfx_boundary", read as one, would leave every beamfx pass on.
-            squeezed = name.strip().lower()
-            if squeezed.startswith("beamfx"):
-                rest = squeezed[len("beamfx") :].lstrip(":._ ").strip()
+            # One of vLLM's own custom ops; but "+BEAMFX:boundary", "+boundary" or
+            # "+bemfx:boundary", read as one, would leave every beamfx pass on.
+            meant = _meant_pass(name)
+            if meant is not None:
                 raise registry.UnknownPassError(
                     f"--compilation-config custom_ops entry {entry!r} is not spelled "
                     f"'{sign}{CUSTOM_OP_PREFIX}NAME' (lower case, a colon, no spaces): did you "
-                    f"mean {sign}{CUSTOM_OP_PREFIX}{rest}?"
+                    f"mean {sign}{CUSTOM_OP_PREFIX}{meant}?"
                 )
             continue
         name = name.removeprefix(CUSTOM_OP_PREFIX)
@@ -88,6 +87,25 @@ def passes_from_custom_ops(custom_ops: Sequence[str]) -> list[str]:
     # A set of switches, as vLLM reads custom_ops; the passes run in their designed order.
     chosen = set(registry.resolve(enabled or ["all"])) - set(registry.resolve(disabled))
     return [p for p in registry.PASSES if p in chosen]
+
+
+def _meant_pass(name: str) -> str | None:
+    """The beamfx pass a custom_ops entry without the exact prefix seems to name, if any:
+    vLLM's own op names hold no colon and none is a beamfx pass's name."""
+    import difflib
+
+    squeezed = name.strip().lower()
+    if squeezed.startswith("beamfx"):
+        return squeezed[len("beamfx") :].lstrip(":._ ").strip()
+    ours = [*registry.PASSES, "all"]
+    if squeezed in registry.PASSES:
+        return squeezed
+    head, colon, tail = squeezed.partition(":")
+    if colon and (
+        tail.strip() in ours or difflib.SequenceMatcher(None, head.strip(), "beamfx").ratio() > 0.5
+    ):
+        return tail.strip()
+    return None
 
 
 def compilation_config(passes: Sequence[str] | str = "all", **options: Any) -> dict[str, Any]:
@@ -129,7 +147,8 @@ class VllmPass(InductorPass):
         self.manager: PassManager | None = None
         if custom_ops is not None:
             self.custom_ops = list(custom_ops)
-            self.manager = PassManager(passes_from_custom_ops(custom_ops))
+            # explain: the report says why a candidate did not fuse (a compile-time cost).
+            self.manager = PassManager(passes_from_custom_ops(custom_ops), explain=True)
 
     @classmethod
     def for_config(cls, vllm_config) -> VllmPass:
@@ -200,8 +219,9 @@ class VllmPass(InductorPass):
         if not manager.reports:
             return (
                 f"beamfx passes: {', '.join(manager.names) or '(none)'}; no graph compiled "
-                "in this process yet (vLLM may have loaded it from its compile cache: "
-                "VLLM_DISABLE_COMPILE_CACHE=1 recompiles)"
+                "in this process yet (or every graph came from a compile cache, vLLM's or "
+                "Inductor's, and the passes did not run: VLLM_DISABLE_COMPILE_CACHE=1 with "
+                "TORCHINDUCTOR_FX_GRAPH_CACHE=0 compiles and reports on every start)"
             )
         return manager.format_text()
 
@@ -241,6 +261,12 @@ def bind(vllm_config) -> VllmPass | None:
     """
     compilation = vllm_config.compilation_config
     options = compilation.inductor_compile_config
+    if options.get(PASS_KEY) == PASS_NAME:
+        raise ValueError(
+            f"--compilation-config inductor_compile_config names {PASS_NAME!r} as {PASS_KEY}, "
+            "where Inductor takes it as a function and fails: put it under inductor_passes, "
+            f'"inductor_passes": {{"{PASS_KEY}": "{PASS_NAME}"}}'
+        )
     if not isinstance(options.get(PASS_KEY), VllmPass):
         ours = [e for e in compilation.custom_ops or () if e[1:].startswith(CUSTOM_OP_PREFIX)]
         if ours:
@@ -255,7 +281,24 @@ def bind(vllm_config) -> VllmPass | None:
     logger.info(
         "beamfx passes: %s (uuid %s)", ", ".join(bound.manager.names) or "(none)", bound.uuid()
     )
+    off = _why_no_compile(compilation)
+    if off:
+        logger.warning("beamfx passes are chosen, but %s: no beamfx pass runs", off)
+    # A report from the start, so that a file left by an earlier start with another pass
+    # list is not read as this one's when every graph comes from a compile cache.
+    bound._publish()
     return bound
+
+
+def _why_no_compile(compilation) -> str | None:
+    """Why vLLM will not run Inductor's post-grad passes under this config, if it won't."""
+    mode = getattr(compilation, "mode", None)
+    if mode is not None and int(mode) == 0:
+        return "compilation is off (mode 0: --enforce-eager, or a feature that turns it off)"
+    backend = getattr(compilation, "backend", "") or "inductor"
+    if backend != "inductor":
+        return f"the compile backend is {backend!r}, not 'inductor'"
+    return None
 
 
 def engine_pass(llm) -> VllmPass:
