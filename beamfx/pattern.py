@@ -1135,11 +1135,13 @@ def _trace_variants(rule: Rule, graphs: pattern_cache.GraphCache):
     """Trace every (optional pieces present) x (activation dtype) variant of a rule."""
     optional = rule.optional()
     seen: set[str] = set()
+    read: set[str] = set()
     for k in range(len(optional) + 1):
         for present in itertools.combinations(optional, k):
             by_pattern: dict[str, _Variant] = {}
             for act in rule.dtypes:
                 v = _trace_one(rule, present, act, graphs)
+                read.update(v.names)
                 key = str(v.pattern)
                 if key in by_pattern:
                     by_pattern[key].act_dtypes.add(act)
@@ -1148,6 +1150,16 @@ def _trace_variants(rule: Rule, graphs: pattern_cache.GraphCache):
                     v.act_dtypes.add(act)
                     by_pattern[key] = v
             yield from by_pattern.values()
+    unread = [n for n, t in rule.specs.items() if t in (bool, int, float, str) and n not in read]
+    if unread:
+        # Its value never reaches the graph: an argument equal to the op's default (a bool
+        # traced as True where True is the default) is left out of the trace, and a match
+        # would then ignore the argument.
+        raise TypeError(
+            f"pattern {rule.name}: parameter(s) {', '.join(unread)} never reach the traced "
+            "graph (an argument equal to the op's default is left out of a trace, and bools "
+            "are traced as True): write the value into the pattern, one rule per value"
+        )
 
 
 def _trace_one(
@@ -1184,7 +1196,17 @@ def _trace_one(
     if cached is not None:
         names, gm = cached[0], _graph_module(cached[1])
     else:
-        gm = _trace(_returning(_positional(rule.search, names, present, rule), rule), examples)
+        try:
+            gm = _trace(_returning(_positional(rule.search, names, present, rule), rule),
+                        examples)  # fmt: skip
+        except Exception as e:
+            shown = ", ".join(f"{n}={v!r}" for n, v in sentinels.items() if v is not True)
+            raise TypeError(
+                f"pattern {rule.name}: tracing it failed ({type(e).__name__}: {e}). It is "
+                f"traced on example tensors of its annotated shapes, with its scalars set to "
+                f"sentinels ({shown or 'none'}): an int that sets a size (a top-k, a split) "
+                "cannot be a wildcard; write the size into the pattern, one rule per value"
+            ) from e
         used = _used_names(gm, names, sentinels, strings)
         # Drop parameters this variant never reads (e.g. eps of an absent norm): an unread
         # parameter's placeholder has no users, so erasing it gives the graph a trace
@@ -1198,6 +1220,12 @@ def _trace_one(
     numeric = {n: v for n, v in sentinels.items() if n in names and v is not True}
     pattern = pm.fx_to_pattern(gm, ignore_types=(), argnames=names, scalar_workaround=numeric)
     bools = {n for n, v in sentinels.items() if n in names and v is True}
+    if len(bools) > 1:
+        raise TypeError(
+            f"pattern {rule.name}: bool parameters {sorted(bools)} are all traced as True and "
+            "cannot be told apart in the graph: keep one bool wildcard, write the others "
+            "into the pattern (one rule per value)"
+        )
     _generalize(pattern, strings, bools)
     return _Variant(rule, present, names, pattern)
 

@@ -165,6 +165,40 @@ def test_a_replacement_that_makes_a_tensor_constant_is_named():
         compile_with(lambda x: torch.relu(x) * 2.0, [p])[0](x)
 
 
+def _topk_pass(search):
+    p = FusionPass("topk_scaled", "topk of x * s")
+    p.rule(replace=lambda x, *a: torch.zeros_like(x))(search)
+    return p
+
+
+def test_scalars_that_cannot_be_wildcards_are_refused_by_name():
+    """A bool traced as True where True is the op's default is left out of the trace, so the
+    match ignored it (two such bools crashed with no pass named); an int that sets a size
+    failed to trace with a bare RuntimeError."""
+
+    def two_bools(x: Act[T, H], a: bool, b: bool):
+        return torch.topk(x, 2, -1, a, b).values
+
+    def default_bool(x: Act[T, H], a: bool):
+        return torch.topk(x, 2, -1, largest=a).values
+
+    def size_int(x: Act[T, H], k: int):
+        return torch.topk(x, k).values
+
+    def two_set_bools(x: Act[T, H], a: bool, b: bool):
+        return torch.sort(x, dim=-1, descending=a, stable=b).values
+
+    cases = {
+        two_bools: r"pattern two_bools: parameter\(s\) a, b never reach the traced graph",
+        default_bool: r"pattern default_bool: parameter\(s\) a never reach",
+        two_set_bools: r"pattern two_set_bools: bool parameters \['a', 'b'\] are all traced",
+        size_int: r"pattern size_int: tracing it failed .*k=7919.*one rule per value",
+    }
+    for search, error in cases.items():
+        with pytest.raises(TypeError, match=error):
+            _topk_pass(search).matcher()
+
+
 def test_a_users_pass_constraint_is_explained():
     x = bst.randn(4, 32, dtype=torch.bfloat16)
     res = assert_fusion(lambda x: torch.relu(x) * 0.5, (x,), [scaled_relu], matches=0)
