@@ -19,19 +19,25 @@ from beamfx.ops import Provider
 
 
 def _sorted_rows(topk_ids: torch.Tensor, num_experts: int):
-    flat = topk_ids.reshape(-1)
-    sorted_ids, order = torch.sort(flat, stable=True)
+    """The pairs in expert order, and each expert's end row; a pair whose id is outside
+    [0, E) sorts after them all (past the last end), with `valid` False."""
+    flat = topk_ids.reshape(-1).long()
+    valid = (flat >= 0) & (flat < num_experts)
+    sorted_ids, order = torch.sort(torch.where(valid, flat, num_experts), stable=True)
     bounds = torch.arange(1, num_experts + 1, device=flat.device, dtype=sorted_ids.dtype)
     ends = torch.searchsorted(sorted_ids, bounds).to(torch.int32)
-    return order, ends
+    return order, ends, valid
 
 
 def moe_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:
-    """`moe_experts` semantics (rows [T, k, H]) with two grouped GEMMs."""
+    """`moe_experts` semantics (rows [T, k, H]) with two grouped GEMMs; a pair whose id is
+    outside [0, E) gets a row of zeros, as the reference gives."""
     t, k = topk_ids.shape
-    order, ends = _sorted_rows(topk_ids, w13.shape[0])
+    if t * k == 0:
+        return x.new_zeros(t, k, w2.shape[1])
+    order, ends, valid = _sorted_rows(topk_ids, w13.shape[0])
     inter = w13.shape[1] // 2
     xs = x[order // k]
     gu = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends)
@@ -39,6 +45,8 @@ def moe_experts(
     ys = torch._grouped_mm(h, w2.transpose(1, 2), offs=ends)
     rows = torch.empty_like(ys)
     rows[order] = ys
+    # Rows past the last group's end are not written by the grouped GEMMs.
+    rows = torch.where(valid.unsqueeze(-1), rows, 0)
     return rows.view(t, k, -1)
 
 

@@ -272,6 +272,20 @@ def test_grouped_mm_matches_reference(tokens, experts, top_k, seed):
     assert rel_err(got, ref.mega_moe(x, wt, ids, w13, w2, 2.0)) <= TOL_BF16
 
 
+def test_grouped_mm_gives_zero_rows_where_the_reference_does():
+    """No pairs, and ids outside [0, E) (vLLM's -1: an expert on another rank): the rows
+    view of zero pairs raised, and an id of -1 took expert 0's rows."""
+    x, ids, wt, _, w13, w2 = make_moe(6, 64, 32, 4, 2, "cpu", 5)
+    assert grouped.moe_experts(x[:0], w13, w2, ids[:0]).shape == (0, 2, 64)
+    ids = ids.clone()
+    ids[0, 0], ids[2, 1], ids[3, 0] = -1, 4, 7
+    got = grouped.moe_experts(x, w13, w2, ids)
+    want = ref.moe_experts(x, w13, w2, ids)
+    assert torch.equal(got[0, 0], torch.zeros(64, dtype=x.dtype)) and torch.equal(
+        got[2, 1], torch.zeros(64, dtype=x.dtype))  # fmt: skip
+    assert rel_err(got, want) <= TOL_BF16
+
+
 def test_supports_reasons_on_fake_and_cpu_tensors():
     with FakeTensorMode():
         x = torch.empty(4, 256, dtype=torch.bfloat16)
