@@ -1151,6 +1151,8 @@ def supports_routed_topk(
     n_experts = weight.shape[0]
     if tuple(correction_bias.shape) != (n_experts,):
         return f"correction_bias {tuple(correction_bias.shape)} is not ({n_experts},)"
+    if correction_bias.device != x.device:  # the kernel reads it by address
+        return f"correction_bias on {correction_bias.device}, x on {x.device}"
     if n_group <= 0 or n_experts % n_group or not 0 < topk_group <= n_group:
         return f"n_group {n_group} / topk_group {topk_group} do not split {n_experts} experts"
     if not 0 < top_k <= n_experts // n_group * topk_group:

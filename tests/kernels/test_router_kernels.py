@@ -138,6 +138,9 @@ def test_supports_rejects_bad_routing_shapes():
     assert "do not split 256 experts" in rt.supports_routed_topk(x, w, bias, 8, 6, 4, True)
     assert "top_k 40 > experts in 1 groups" in rt.supports_routed_topk(x, w, bias, 40, 8, 1, True)
     assert "correction_bias (255,)" in rt.supports_routed_topk(x, w, bias_short, 8, 8, 4, True)
+    # The kernel reads the bias by address: one on the host raised at launch, not declined.
+    bias_cpu = torch.zeros(256)
+    assert "correction_bias on cpu" in rt.supports_routed_topk(x, w, bias_cpu, 8, 8, 4, True)
 
 
 @no_triton
