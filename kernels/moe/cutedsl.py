@@ -332,17 +332,19 @@ def experts(x, ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_we
         return _in_blocks(x, flat, t, k, h, fc1, fc2, g13, g2, topk_weights, routed_scale,
                           GROUP, runs, w13.shape[0], stream)  # fmt: skip
     stage1, stage2 = stage_chunks(cfg, hidden, inter)
-    if t:
-        compiled_fc1(k, cfg.warps1, cfg.depth1, cfg.pdl, stage1, cfg.step_loads)(
-            x.data_ptr(), flat.data_ptr(), fc1.codes.data_ptr(), fc1.scales.data_ptr(),
-            g13.data_ptr(), h.data_ptr(), t * k, hidden, inter, stream,
-        )  # fmt: skip
+    # Made before the first launch: FC2 (a PDL launch) reads `weights` before its wait, so
+    # a conversion kernel between the two launches could still be writing it.
     if combine:
         out = torch.empty(t, hidden, device=x.device, dtype=torch.bfloat16)
         weights = topk_weights.reshape(-1).float().contiguous()
     else:
         out = torch.empty(t, k, hidden, device=x.device, dtype=torch.bfloat16)
         weights = g2
+    if t:
+        compiled_fc1(k, cfg.warps1, cfg.depth1, cfg.pdl, stage1, cfg.step_loads)(
+            x.data_ptr(), flat.data_ptr(), fc1.codes.data_ptr(), fc1.scales.data_ptr(),
+            g13.data_ptr(), h.data_ptr(), t * k, hidden, inter, stream,
+        )  # fmt: skip
     if t:
         compiled_fc2(k, cfg.warps2, combine, cfg.depth2, cfg.pdl, stage2, cfg.step_loads)(
             h.data_ptr(), flat.data_ptr(), fc2.codes.data_ptr(), fc2.scales.data_ptr(),
