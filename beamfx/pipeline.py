@@ -199,8 +199,18 @@ def _framework_hash() -> bytes:
     return h.digest()
 
 
+# Namespaces of torch's own ops; any other op namespace is a library's or a user's custom
+# ops (a pass of one's own replaces with them), counted beside Beam IR.
+_TORCH_NAMESPACES = frozenset({
+    "aten", "prims", "rngprims", "debugprims", "_c10d_functional", "c10d_functional",
+    "c10d", "inductor", "_inductor_test", "higher_order", "quantized", "_quantized",
+    "profiler", "_dtensor", "fsdp", "_test", "mkldnn", "mkl", "onednn", "quantized_decomposed",
+})  # fmt: skip
+
+
 def op_counts(graph: torch.fx.Graph) -> dict[str, int]:
-    """How many calls of each beamfx op (and all-reduce collectives) the graph holds."""
+    """How many calls of each custom op the graph holds: Beam IR (`beamfx.*`), a user's own
+    ops (any namespace but torch's), and all-reduce collectives."""
     c = Counter()
     targets = Counter(n.target for n in graph.nodes if n.op == "call_function")
     for target, count in targets.items():
@@ -214,6 +224,9 @@ def op_counts(graph: torch.fx.Graph) -> dict[str, int]:
 def _reported_name(target: Any) -> str | None:
     name = str(target)
     if name.startswith("beamfx.") or "all_reduce" in name:
+        return name.removesuffix(".default")
+    is_op = isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+    if is_op and getattr(target, "namespace", "aten") not in _TORCH_NAMESPACES:
         return name.removesuffix(".default")
     return None
 

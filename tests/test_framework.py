@@ -808,6 +808,8 @@ def test_a_custom_op_object_as_the_replacement_compiles():
     compiled, manager = compile_with(lambda x: torch.relu(x) * 2.0, [mine])
     assert torch.equal(compiled(x), torch.relu(x) * 2.0)
     assert manager.reports[0].matches("rs") == 1
+    # The user's op is counted as Beam IR is (a check on ops_after could not fail).
+    assert manager.reports[0].ops_after == {"beamfx_test.relu_scale": 1}
 
 
 def test_the_cache_key_follows_a_rules_specs():
