@@ -35,6 +35,15 @@ class WeightCache:
     def get(self, tensors: tuple[torch.Tensor, ...], build: Callable[[], object]) -> object:
         """The converted weights of `tensors`, built by `build()` on a miss."""
         if any(t.is_inference() for t in tensors):
+            if _capturing(tensors):
+                # A rebuild allocates and copies from the host: inside a CUDA graph capture
+                # that fails with an error that names none of this.
+                raise RuntimeError(
+                    "beamfx: expert weights are inference tensors (made under "
+                    "torch.inference_mode()), so their converted copies are rebuilt on every "
+                    "call, which a CUDA graph capture cannot hold: create or load the "
+                    "weights outside inference mode"
+                )
             if not self._warned:
                 self._warned = True
                 warnings.warn(
@@ -61,3 +70,7 @@ class WeightCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _capturing(tensors: tuple[torch.Tensor, ...]) -> bool:
+    return any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing()

@@ -420,3 +420,21 @@ def test_a_missing_block_scale_is_named(nvfp4_checkpoint, proj):
     del tensors[name]
     with pytest.raises(NVFP4Error, match=r"lacks the weight_scale of experts \[3\]"):
         _vllm_load(nvfp4_checkpoint, tensors)
+
+
+def test_inference_tensor_weights_under_a_cuda_graph_capture_are_named(monkeypatch):
+    """Rebuilt on every call, their conversion would allocate and copy from the host inside
+    a capture, which fails with a CUDA error naming none of this. No capture runs on a CPU
+    machine: the capture state is set by hand, on fake CUDA tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from beamfx.kernels.moe.weight_cache import WeightCache
+
+    with FakeTensorMode(), torch.inference_mode():
+        w = torch.empty(4, device="cuda")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="inference tensors .*CUDA graph capture"):
+        WeightCache().get((w,), lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with pytest.warns(UserWarning, match="inference tensors"):
+        assert WeightCache().get((w,), lambda: 0) == 0
