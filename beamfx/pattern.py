@@ -676,15 +676,17 @@ class Inliner:
     def _passes_scalars_through(self, fn, mode, gm, traced, values, sentinels) -> bool:
         """Whether the replacement `gm` (traced with sentinel scalars) serves every value:
         each sentinel reaches the graph (else a scalar is used in Python only: a branch, a
-        derived constant), and a trace with other sentinels is the same graph (asked once
-        per replacement and kinds of scalars; a second trace costs as much as the first)."""
+        derived constant), and a trace with other sentinels, each a float that records any
+        arithmetic or comparison on it, is the same graph and did none."""
         if not _sentinels_reach(gm, sentinels):
             return False
-        kinds = (fn, tuple(v for v in values if v[0] != "t"))
-        if kinds not in self._other_sentinels:
-            self._other_sentinels[kinds] = _same_for_other_sentinels(fn, mode, gm, traced,
-                                                                     sentinels)  # fmt: skip
-        return self._other_sentinels[kinds]
+        # Asked once per signature (tensor metadata too: a replacement may compute on a
+        # scalar at some shapes only), whatever the fake mode (one per graph outside vLLM).
+        signature = (fn, tuple(values))
+        if signature not in self._other_sentinels:
+            self._other_sentinels[signature] = _same_for_other_sentinels(fn, mode, gm, traced,
+                                                                         sentinels)  # fmt: skip
+        return self._other_sentinels[signature]
 
     def replace(self, match: pm.Match, fn: Callable, args: list[Any], specs: dict[str, Any],
                 names: list[str], label: str = "a replacement") -> None:  # fmt: skip
@@ -698,15 +700,10 @@ class Inliner:
                 values.append(("t", _meta_key(a.meta["val"])))
                 continue
             kind = specs.get(name)
-            # Floats and strings only carry values; ints and bools can set shapes (top-k,
-            # group counts), so they are traced as they are and key the cache.
-            s = (
-                next(floats)
-                if kind is float
-                else _STR_SENTINEL.format(name)
-                if kind is str
-                else None
-            )
+            # Floats only carry values; ints and bools can set shapes (top-k, group counts)
+            # and a string is compared more than computed on (a group name, a mode), so
+            # those are traced as they are and key the cache.
+            s = next(floats) if kind is float else None
             if s is None or isinstance(a, bool) or a is None:
                 traced.append(a)
                 values.append(("c", a))
@@ -749,16 +746,48 @@ def _trace_replacement(fn: Callable, mode: Any, inputs: list[Any]) -> torch.fx.G
         return pm.fwd_only(fn, inputs)
 
 
-# A second set of sentinels, of the other sign and above 1 (so that a branch on a scalar
-# takes its other side): a replacement traced with both gives one graph, up to the
-# sentinels, only if it passes its scalars to ops unchanged.
+# A second set of sentinels, of the other sign (so that math.sqrt and its kin, which read
+# the double without a dunder, fail or give another constant): a replacement traced with
+# both gives one graph, up to the sentinels, only if it passes its scalars to ops unchanged.
 _ALT_FLOAT = {f: -3.17 - 0.011 * i for i, f in enumerate(_FLOAT_SENTINELS)}
 
 
+class _Probe(float):
+    """A float that records arithmetic and comparisons on it (`1 / s`, `min(s, 1.0)`,
+    `if s > 1`): ops take its value without calling any of them."""
+
+    __hash__ = float.__hash__
+    used: list[str] = []
+
+
+def _recording(name: str):
+    method = getattr(float, name)
+
+    def call(self, *args):
+        _Probe.used.append(name)
+        return method(float(self), *args)
+
+    return call
+
+
+for _name in (
+    "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__bool__", "__add__",
+    "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+    "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__pow__", "__rpow__",
+    "__neg__", "__pos__", "__abs__", "__int__", "__round__", "__trunc__", "__floor__",
+    "__ceil__", "__divmod__", "__rdivmod__",
+):  # fmt: skip
+    setattr(_Probe, _name, _recording(_name))
+
+
 def _same_for_other_sentinels(fn, mode, gm, traced, sentinels) -> bool:
+    probes = [_Probe(_alt(a)) if _is_sentinel(a, sentinels) else a for a in traced]
+    _Probe.used = []
     try:
-        other = _trace_replacement(fn, mode, _resentineled(traced, sentinels))
+        other = _trace_replacement(fn, mode, probes)
     except Exception:  # e.g. math.sqrt of the negative sentinel
+        return False
+    if _Probe.used:
         return False
     return _same_graph(gm, other, sentinels)
 
@@ -773,12 +802,8 @@ def _sentinels_reach(gm: torch.fx.GraphModule, sentinels: dict[Any, Any]) -> boo
     return len(found) == len(sentinels)
 
 
-def _alt(sentinel: Any) -> Any:
-    return _ALT_FLOAT[sentinel] if isinstance(sentinel, float) else f"{sentinel}alt"
-
-
-def _resentineled(traced: list[Any], sentinels: dict[Any, Any]) -> list[Any]:
-    return [_alt(a) if _is_sentinel(a, sentinels) else a for a in traced]
+def _alt(sentinel: float) -> float:
+    return _ALT_FLOAT[sentinel]
 
 
 def _is_sentinel(a: Any, sentinels: dict[Any, Any]) -> bool:
@@ -1018,7 +1043,10 @@ def _check_replacement(match: pm.Match, gm: torch.fx.GraphModule, label: str) ->
     the same dtype and rank and no size provably different. Otherwise the code after the
     match would read values of another shape or type (or None) without an error."""
     (out,) = gm.graph.find_nodes(op="output")
-    if gm.graph.find_nodes(op="get_attr"):
+    if any(
+        isinstance(getattr(gm, n.target, None), torch.Tensor)
+        for n in gm.graph.find_nodes(op="get_attr")
+    ):  # a higher-order op's subgraph is a get_attr too, and Inductor splices those
         raise TypeError(
             f"{label}: the replacement makes a tensor constant (torch.tensor(...) of a value), "
             "which Inductor cannot splice into a graph: pass scalars to ops (x * s), or "

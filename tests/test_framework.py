@@ -156,6 +156,80 @@ def test_a_replacement_that_computes_on_its_scalar_gets_each_matchs_value(replac
     assert_fusion(fn, (x, y), [_computing_on_s(replace)], matches=2, tolerance=tol)
 
 
+# Each a replacement that departs from the pattern on purpose: the compiled graph must be the
+# replacement's own at each match's values (2.0 and -10.0), which a branch or a clamp on s
+# decides, though s reaches the graph and the two sentinel traces agree.
+SCALAR_LOGIC = {
+    "min": lambda x, s: torch.clamp_min(x, 0.0) * min(s, 1.0),
+    "branch": lambda x, s: torch.clamp_min(x, 0.0) * (s if s <= 1.0 else 1.0),
+    "max": lambda x, s: torch.clamp_min(x, 0.0) * max(s, -5.0),
+}
+
+
+@pytest.mark.parametrize("name", SCALAR_LOGIC)
+def test_the_fused_graph_is_the_replacement_at_each_matchs_values(name):
+    replace = SCALAR_LOGIC[name]
+    x, y = bst.randn(4, 32, seed=1).float(), bst.randn(4, 32, seed=2).float()
+    fn = lambda x, y: (torch.relu(x) * 2.0, torch.relu(y) * -10.0)  # noqa: E731
+    own = lambda x, y: (replace(x, 2.0), replace(y, -10.0))  # noqa: E731
+    assert_fusion(fn, (x, y), [_computing_on_s(replace)], matches=2, reference=own)
+
+
+def test_a_replacement_computing_on_its_scalar_at_some_shapes_is_caught_at_each():
+    """math.fabs reads the double (no dunder to see) and gives the sentinel back: only the
+    trace with the negative sentinel shows it, at the shapes where the replacement calls it.
+    A verdict kept per replacement, from a shape where it did not, served the other."""
+    import math
+
+    def replace(x, s):
+        return torch.clamp_min(x, 0.0) * (s if x.shape[-1] >= 64 else math.fabs(s))
+
+    p = _computing_on_s(replace)
+    wide, narrow = bst.randn(4, 64, seed=1).float(), bst.randn(4, 32, seed=2).float()
+    assert_fusion(lambda w: torch.relu(w) * -2.0, (wide,), [p], matches=1)
+    both = lambda w, n: (torch.relu(w) * -2.0, torch.relu(n) * -2.0)  # noqa: E731
+    own = lambda w, n: (replace(w, -2.0), replace(n, -2.0))  # noqa: E731
+    assert_fusion(both, (wide, narrow), [p], matches=2, reference=own)
+
+
+def test_a_string_a_replacement_branches_on_gets_each_matchs_value():
+    """Both string sentinels took the same side of `tag == "double"`: the plain match's
+    graph served the double one. Strings are now traced as they are."""
+
+    @torch.library.custom_op("beamfx_test::tagged", mutates_args=())
+    def tagged(x: torch.Tensor, tag: str) -> torch.Tensor:
+        return x * (2.0 if tag == "double" else 1.0)
+
+    tagged.register_fake(lambda x, tag: torch.empty_like(x))
+
+    def replace(x, tag):
+        y = tagged(torch.clamp_min(x, 0.0), tag)
+        return y if tag != "double" else y + 100.0  # departs from the pattern on purpose
+
+    p = FusionPass("tags", "tagged(relu(x), tag)")
+
+    @p.rule(replace=replace, constraints=[dtype_in("x", torch.float32)])
+    def relu_tag(x: Act[T, H], tag: str):
+        return tagged(torch.relu(x), tag)
+
+    x, y = bst.randn(4, 32, seed=1).float(), bst.randn(4, 32, seed=2).float()
+    fn = lambda x, y: (tagged(torch.relu(x), "plain"), tagged(torch.relu(y), "double"))  # noqa: E731
+    own = lambda x, y: (replace(x, "plain"), replace(y, "double"))  # noqa: E731
+    assert_fusion(fn, (x, y), [p], matches=2, reference=own)
+
+
+def test_a_replacement_with_a_higher_order_op_is_spliced():
+    """torch.cond's branches are get_attr subgraphs, which Inductor splices: only a tensor
+    constant is refused."""
+
+    def replace(x, s):
+        y = torch.clamp_min(x, 0.0)
+        return torch.cond(y.sum() > 0, lambda y: y * s, lambda y: y * s, (y,))
+
+    x = bst.randn(4, 32, seed=1).float()
+    assert_fusion(lambda x: torch.relu(x) * 2.0, (x,), [_computing_on_s(replace)], matches=1)
+
+
 def test_a_replacement_that_makes_a_tensor_constant_is_named():
     p = _computing_on_s(lambda x, s: torch.clamp_min(x, 0.0) * torch.tensor(s))
     x = bst.randn(4, 32, seed=1).float()
