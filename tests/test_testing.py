@@ -55,6 +55,31 @@ def test_a_function_writing_into_an_input_is_checked_on_its_own_copies():
     assert_fusion(_in_place, (X, r), [GOOD], matches=1)
 
 
+def test_written_inputs_are_checked_against_fn_when_a_reference_gives_the_outputs():
+    # The reference is pure: the input fn writes was compared with the reference's copy,
+    # which it never wrote, and a correct pass failed.
+    out = torch.zeros(4, 32)
+    assert_fusion(_into_out, (X, out), [GOOD], matches=1, reference=lambda x, o: torch.relu(x) * 2)
+
+
+def test_ulps_across_zero_in_fp64_is_far_not_negative():
+    for a, b in ((2.0, -2.0), (float("inf"), float("-inf")), (1e300, -1e300)):
+        d = ulps(torch.tensor([a], dtype=torch.float64), torch.tensor([b], dtype=torch.float64))
+        assert d.item() > 2**62, (a, b, d)
+
+
+def test_an_expanded_input_stays_expanded_in_the_copies():
+    seen = []
+
+    def fn(x):
+        seen.append(x.stride())
+        return torch.relu(x) * 2.0
+
+    row = bst.randn(1, 32, seed=4).float()
+    assert_fusion(fn, (row.expand(4, 32),), [GOOD], matches=1)
+    assert set(seen) == {(0, 1)}
+
+
 def test_a_transposed_input_keeps_its_strides_in_the_copies():
     seen = []
 
@@ -129,11 +154,18 @@ def test_randn_has_no_zeros_even_far_below_its_dtypes_range():
 
 
 def test_profiles_come_with_the_kit():
+    import os
+
+    from beamfx.testing import PROFILES
+
     try:
         assert load_profile("thorough") == "thorough"
         assert settings().max_examples == 300 and settings().deadline is None
-        with pytest.raises(ValueError, match="'thourough'.*one of \\['ci', 'thorough'\\]"):
+        settings.register_profile("mine", max_examples=3)
+        assert load_profile("mine") == "mine" and settings().max_examples == 3
+        with pytest.raises(ValueError, match="'thourough'.*neither beamfx's .ci, thorough."):
             load_profile("thourough")
     finally:
-        load_profile()
-    assert settings().max_examples == 12
+        name = load_profile()
+    assert name == os.environ.get("HYPOTHESIS_PROFILE", "ci")
+    assert settings().max_examples == PROFILES.get(name, settings().max_examples)
