@@ -202,9 +202,11 @@ def _framework_hash() -> bytes:
 # Namespaces of torch's own ops; any other op namespace is a library's or a user's custom
 # ops (a pass of one's own replaces with them), counted beside Beam IR.
 _TORCH_NAMESPACES = frozenset({
-    "aten", "prims", "rngprims", "debugprims", "_c10d_functional", "c10d_functional",
-    "c10d", "inductor", "_inductor_test", "higher_order", "quantized", "_quantized",
-    "profiler", "_dtensor", "fsdp", "_test", "mkldnn", "mkl", "onednn", "quantized_decomposed",
+    "aten", "prims", "prim", "rngprims", "debugprims", "_c10d_functional",
+    "_c10d_functional_autograd", "c10d_functional", "c10d", "tr_c10d", "symm_mem", "streams",
+    "inductor", "_inductor_test", "higher_order", "quantized", "_quantized", "profiler",
+    "_dtensor", "fsdp", "_test", "mkldnn", "mkl", "onednn", "quantized_decomposed", "sparse",
+    "export", "onnx", "debug_mode_ops", "_native",
 })  # fmt: skip
 
 

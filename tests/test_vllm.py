@@ -216,12 +216,28 @@ def test_the_report_says_why_a_candidate_did_not_fuse(integration):
 
     bound = integration.VllmPass(["+beamfx:boundary"])
     options = {"post_grad_custom_post_pass": bound, "fx_graph_cache": False}
-    torch._dynamo.reset()
-    torch.compile(sandwich, options=options)(torch.ones(4, 32), torch.ones(4, 32))
-    (report,) = bound.summary()["per_graph"]
-    assert report["passes"][1]["matches"] == 0
-    assert any("float32" in e["reason"] for e in report["explain"]), report["explain"]
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.beamfx")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        for t in (4, 6):  # two graphs, as vLLM compiles a model in pieces and sizes
+            torch._dynamo.reset()
+            torch.compile(sandwich, options=options)(torch.ones(t, 32), torch.ones(t, 32))
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+    first, second = bound.summary()["per_graph"]
+    assert first["passes"][1]["matches"] == 0
+    assert any("float32" in e["reason"] for e in first["explain"]), first["explain"]
     assert "not fused:" in bound.format_text()
+    # The log has each graph's lines once: the second message is not the first one again.
+    logged = [r.getMessage() for r in records]
+    assert [m.count("not fused:") for m in logged] == [len(first["explain"])] * 2, logged
+    assert logged[1].startswith("beamfx graph 1: canonicalize 0, boundary 0, lower ")
+    assert "totals over 2 graph(s)" in logged[1]
 
 
 def test_report_paths_of_ranks_and_data_parallel_engines(integration, monkeypatch):

@@ -214,6 +214,25 @@ class VllmPass(InductorPass):
             "custom_ops": target.custom_ops,
         }
 
+    def _latest_text(self) -> str:
+        manager = self._manager()
+        if not manager.reports:
+            return self.format_text()
+        r = manager.reports[-1]
+        totals = manager.summary()["matches"]
+        where = f" for tokens {r.compile_range}" if r.compile_range else ""
+        lines = [
+            f"beamfx graph {r.index}{where}: "
+            + ", ".join(f"{p.name} {p.matches}" for p in r.passes)
+            + f"; totals over {len(manager.reports)} graph(s): "
+            + ", ".join(f"{n} {c}" for n, c in totals.items())
+        ]
+        for rej in r.explain:
+            constraint = f"[{rej.constraint}] " if rej.constraint else ""
+            lines.append(f"  not fused: {rej.node} ({rej.pass_name}/{rej.rule}): "
+                         f"{constraint}{rej.reason}")  # fmt: skip
+        return "\n".join(lines)
+
     def format_text(self) -> str:
         manager = self._manager()
         if not manager.reports:
@@ -226,7 +245,9 @@ class VllmPass(InductorPass):
         return manager.format_text()
 
     def _publish(self) -> None:
-        logger.info("%s", self.format_text())
+        # The log gets the newest graph and the totals (each graph's report once); the file
+        # gets everything.
+        logger.info("%s", self._latest_text())
         path = report_path(self.rank, self.dp_rank)
         if path:
             with open(path, "w") as f:
