@@ -813,7 +813,8 @@ def _is_sentinel(a: Any, sentinels: dict[Any, Any]) -> bool:
 def _by_value(fn, mode, values, traced, sentinels):
     """The cache key and inputs of a replacement traced with the match's own scalars."""
     real = [sentinels[a] if _is_sentinel(a, sentinels) else a for a in traced]
-    keyed = [("c", r) if v[0] == "s" else v for v, r in zip(values, real)]
+    # By type and repr: 0.0 == -0.0 and 1 == 1.0, but 1 / s tells them apart.
+    keyed = [("v", type(r).__name__, repr(r)) if v[0] == "s" else v for v, r in zip(values, real)]
     return (fn, id(mode), tuple(keyed)), real, {}
 
 

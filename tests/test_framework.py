@@ -160,6 +160,7 @@ def test_a_replacement_that_computes_on_its_scalar_gets_each_matchs_value(replac
 # replacement's own at each match's values (2.0 and -10.0), which a branch or a clamp on s
 # decides, though s reaches the graph and the two sentinel traces agree.
 SCALAR_LOGIC = {
+    "sign": lambda x, s: torch.clamp_min(x, 0.0) * math.copysign(1.0, s),  # 0.0 vs -0.0
     "min": lambda x, s: torch.clamp_min(x, 0.0) * min(s, 1.0),
     "branch": lambda x, s: torch.clamp_min(x, 0.0) * (s if s <= 1.0 else 1.0),
     "max": lambda x, s: torch.clamp_min(x, 0.0) * max(s, -5.0),
@@ -167,11 +168,12 @@ SCALAR_LOGIC = {
 
 
 @pytest.mark.parametrize("name", SCALAR_LOGIC)
-def test_the_fused_graph_is_the_replacement_at_each_matchs_values(name):
-    replace = SCALAR_LOGIC[name]
+@pytest.mark.parametrize("values", [(2.0, -10.0), (0.0, -0.0)], ids=["2,-10", "0,-0"])
+def test_the_fused_graph_is_the_replacement_at_each_matchs_values(name, values):
+    replace, (a, b) = SCALAR_LOGIC[name], values
     x, y = bst.randn(4, 32, seed=1).float(), bst.randn(4, 32, seed=2).float()
-    fn = lambda x, y: (torch.relu(x) * 2.0, torch.relu(y) * -10.0)  # noqa: E731
-    own = lambda x, y: (replace(x, 2.0), replace(y, -10.0))  # noqa: E731
+    fn = lambda x, y: (torch.relu(x) * a, torch.relu(y) * b)  # noqa: E731
+    own = lambda x, y: (replace(x, a), replace(y, b))  # noqa: E731
     assert_fusion(fn, (x, y), [_computing_on_s(replace)], matches=2, reference=own)
 
 
