@@ -278,6 +278,9 @@ class Rule:
     dtypes: Sequence[torch.dtype]
     specs: dict[str, Any]
     variants: list[_Variant] = field(default_factory=list)
+    # The replacement hands its float scalars to ops unchanged: traced once per signature
+    # with sentinels, not once per value (see `FusionPass.rule`).
+    scalars_pass_through: bool = False
 
     def optional(self) -> list[str]:
         sig = inspect.signature(self.search)
@@ -306,8 +309,16 @@ class FusionPass:
         dtypes: Sequence[torch.dtype] = ACTIVATION_DTYPES,
         specs: dict[str, Any] | None = None,
         name: str | None = None,
+        scalars_pass_through: bool | None = None,
     ) -> Callable[[Callable], Callable]:
-        """Register `search -> replace`. `specs` overrides parameter annotations."""
+        """Register `search -> replace`. `specs` overrides parameter annotations.
+
+        A replacement function is traced once per distinct value of its float scalars,
+        whatever it does with them. `scalars_pass_through=True` says it only hands them to
+        ops unchanged (as an op replacement does; the default for one): it is then traced
+        once per signature with sentinel values, after a check that those reach the graph
+        and that a second trace with probes does no arithmetic on them (where the check
+        fails, it is traced per value after all)."""
 
         def decorator(search: Callable) -> Callable:
             hints = dict(specs) if specs else _annotations(search)
@@ -328,9 +339,14 @@ class FusionPass:
                 for c in constraints
             ]
             replacement = _as_op(replace)
-            self.rules.append(
-                Rule(name or search.__name__, search, replacement, bound, dtypes, hints)
-            )
+            through = scalars_pass_through
+            if through is None:
+                through = isinstance(
+                    replacement, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+                )
+            rule = Rule(name or search.__name__, search, replacement, bound, dtypes, hints,
+                        scalars_pass_through=bool(through))  # fmt: skip
+            self.rules.append(rule)
             self._matcher = None
             return search
 
@@ -361,7 +377,13 @@ class FusionPass:
     def _register(self, v: _Variant, matcher: pm.PatternMatcherPass) -> None:
         replace = _positional(v.rule.replace, v.names, v.present, v.rule)
         pm.register_graph_pattern(v.pattern, extra_check=self._checker(v), pass_dict=matcher)(
-            _replacer(replace, v.names, v.rule.specs, f"pass {self.name}, rule {v.rule.name}")
+            _replacer(
+                replace,
+                v.names,
+                v.rule.specs,
+                f"pass {self.name}, rule {v.rule.name}",
+                v.rule.scalars_pass_through,
+            )  # fmt: skip
         )
 
     def _checker(self, variant: _Variant) -> Callable[[pm.Match], bool]:
@@ -524,6 +546,7 @@ class FusionPass:
             # The specs set the traced shapes and dtypes (and so what matches), whether
             # annotations or a `specs=` override gave them.
             h.update(f"{rule.name}:{sorted((k, repr(v)) for k, v in rule.specs.items())}".encode())
+            h.update(f"pass-through:{rule.scalars_pass_through}".encode())
             for fn in (rule.search, rule.replace):
                 try:
                     h.update(inspect.getsource(inspect.getmodule(fn)).encode())
@@ -689,7 +712,8 @@ class Inliner:
         return self._other_sentinels[signature]
 
     def replace(self, match: pm.Match, fn: Callable, args: list[Any], specs: dict[str, Any],
-                names: list[str], label: str = "a replacement") -> None:  # fmt: skip
+                names: list[str], label: str = "a replacement",
+                pass_through: bool = False) -> None:  # fmt: skip
         from torch._inductor.virtualized import V
 
         sentinels, values, traced = {}, [], []
@@ -703,10 +727,12 @@ class Inliner:
             # Floats only carry values; ints and bools can set shapes (top-k, group counts)
             # and a string is compared more than computed on (a group name, a mode), so
             # those are traced as they are and key the cache.
-            s = next(floats) if kind is float else None
+            # (A float wildcard may hold an int literal: traced as it is, an int.)
+            s = next(floats) if kind is float and type(a) is float and pass_through else None
             if s is None or isinstance(a, bool) or a is None:
                 traced.append(a)
-                values.append(("c", a))
+                # By type and repr: 0.0 == -0.0 and 1 == 1.0, but 1 / s tells them apart.
+                values.append(("v", type(a).__name__, repr(a)))
             else:
                 sentinels[s] = a
                 traced.append(s)
@@ -720,9 +746,16 @@ class Inliner:
             key, traced, sentinels = _by_value(fn, mode, values, traced, sentinels)
         owner, gm = self._cache.get(key, (None, None))
         if gm is None or owner is not mode:
-            gm = _trace_replacement(fn, mode, traced)
-            if sentinels and not self._passes_scalars_through(fn, mode, gm, traced, values,
-                                                              sentinels):  # fmt: skip
+            try:
+                gm = _trace_replacement(fn, mode, traced)
+            except Exception:
+                if not sentinels:
+                    raise
+                gm = None  # it refused a sentinel (a check, a math domain): per value
+            if sentinels and (
+                gm is None
+                or not self._passes_scalars_through(fn, mode, gm, traced, values, sentinels)
+            ):
                 # The replacement computes on a scalar (`1 / s`, `s if s > 0 else ...`)
                 # rather than passing it to ops: its graph holds for the sentinel only.
                 # Traced with the match's own values, keyed on them.
@@ -1032,9 +1065,11 @@ def _sentinel_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 INLINER = Inliner()
 
 
-def _replacer(replace: Callable, names: list[str], specs: dict[str, Any], label: str) -> Callable:
+def _replacer(replace: Callable, names: list[str], specs: dict[str, Any], label: str,
+              pass_through: bool) -> Callable:  # fmt: skip
     def handler(match: pm.Match, *args: Any, **kwargs: Any) -> None:
-        INLINER.replace(match, replace, [kwargs[n] for n in names], specs, names, label)
+        INLINER.replace(match, replace, [kwargs[n] for n in names], specs, names, label,
+                        pass_through)  # fmt: skip
 
     return handler
 

@@ -39,8 +39,10 @@ CONSTRAINTS = [
 ]  # fmt: skip
 
 
-@PASS.rule(replace=fused, constraints=[*CONSTRAINTS, shapes_as_annotated("x", "residual", "w_post",
-           "w_next")])  # fmt: skip
+# `fused` hands every scalar to the op unchanged: traced once per signature, not per layer.
+@PASS.rule(replace=fused, scalars_pass_through=True,
+           constraints=[*CONSTRAINTS, shapes_as_annotated("x", "residual", "w_post",
+                                                          "w_next")])  # fmt: skip
 def dense(x: Act[T, H], residual: Act[T, H], w_post: Act[H], eps_post: float, x_scale: float,
           residual_scale: float, group_name: str | None = None, w_next: Act[H] | None = None,
           eps_next: float = 0.0):  # fmt: skip
@@ -49,8 +51,9 @@ def dense(x: Act[T, H], residual: Act[T, H], w_post: Act[H], eps_post: float, x_
     return sandwich(x, residual, w_post, eps_post, x_scale, residual_scale, w_next, eps_next)
 
 
-@PASS.rule(replace=fused, constraints=[*CONSTRAINTS, shapes_as_annotated("x", "topk_weights",
-           "residual", "w_post", "w_next")])  # fmt: skip
+@PASS.rule(replace=fused, scalars_pass_through=True,
+           constraints=[*CONSTRAINTS, shapes_as_annotated("x", "topk_weights", "residual",
+                                                          "w_post", "w_next")])  # fmt: skip
 def moe(x: Act[T, K, H], topk_weights: F32[T, K], routed_scale: float, residual: Act[T, H],
         w_post: Act[H], eps_post: float, x_scale: float, residual_scale: float,
         group_name: str | None = None, w_next: Act[H] | None = None,

@@ -34,9 +34,12 @@ class Lower:
         specs = {a.name: kinds.get(str(a.type)) for a in schema.arguments}
         pattern = pm.CallFunction(opdef.op.default, *[pm.KeywordArg(n) for n in names])
 
+        # The references hand their float scalars to torch ops unchanged (and the Inliner
+        # checks it): each is traced once per signature, not per layer's scales.
         @pm.register_graph_pattern(pattern, pass_dict=self._matcher)
         def lower(match: pm.Match, **kwargs):
-            INLINER.replace(match, opdef.reference, [kwargs[n] for n in names], specs, names)
+            INLINER.replace(match, opdef.reference, [kwargs[n] for n in names], specs, names,
+                            f"lower {opdef.name}", pass_through=True)  # fmt: skip
 
     def apply(self, graph: torch.fx.Graph) -> int:
         return run_matcher(self.matcher(), graph)

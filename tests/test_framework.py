@@ -135,9 +135,12 @@ def test_a_users_pass_captures_its_scalar(s, t, seed):
     assert res.matches("scaled_relu") == 1
 
 
-def _computing_on_s(replace):
+def _computing_on_s(replace, through=True):
+    """A pass whose replacement may compute on s; `through` declares it does not, so the
+    Inliner's own check (sentinels, probes) must find out."""
     p = FusionPass("derived", "relu(x) * s, rewritten with arithmetic on s")
-    p.rule(replace=replace, constraints=[dtype_in("x", torch.float32)])(relu_scale)
+    p.rule(replace=replace, constraints=[dtype_in("x", torch.float32)],
+           scalars_pass_through=through)(relu_scale)  # fmt: skip
     return p
 
 
@@ -175,6 +178,71 @@ def test_the_fused_graph_is_the_replacement_at_each_matchs_values(name, values):
     fn = lambda x, y: (torch.relu(x) * a, torch.relu(y) * b)  # noqa: E731
     own = lambda x, y: (replace(x, a), replace(y, b))  # noqa: E731
     assert_fusion(fn, (x, y), [_computing_on_s(replace)], matches=2, reference=own)
+
+
+# Reads of s no probe sees (the double itself, a copy, a hash): sound only traced per value,
+# the default for a replacement function.
+UNSEEN = {
+    "float": lambda x, s: torch.clamp_min(x, 0.0) * (s if float(s) <= 1.0 else 2.0),
+    "fmod": lambda x, s: torch.clamp_min(x, 0.0) * math.fmod(s, 5.0),
+    "in": lambda x, s: torch.clamp_min(x, 0.0) * (0.5 if s in {7.0} else s),
+    "is_integer": lambda x, s: torch.clamp_min(x, 0.0) * (3.0 if s.is_integer() else s),
+}
+
+
+@pytest.mark.parametrize("name", UNSEEN)
+def test_a_replacement_function_is_traced_per_value_unless_it_says_otherwise(name):
+    replace = UNSEEN[name]
+    x, y = bst.randn(4, 32, seed=1).float(), bst.randn(4, 32, seed=2).float()
+    fn = lambda x, y: (torch.relu(x) * 7.0, torch.relu(y) * 0.25)  # noqa: E731
+    own = lambda x, y: (replace(x, 7.0), replace(y, 0.25))  # noqa: E731
+    assert_fusion(fn, (x, y), [_computing_on_s(replace, through=None)], matches=2, reference=own)
+
+
+def test_a_replacement_refusing_the_sentinel_is_traced_per_value():
+    """A check on s (or a math domain) raised on the sentinel and failed the compile."""
+
+    def replace(x, s):
+        assert s >= 1, "this replacement is for scales of at least 1"
+        return torch.clamp_min(x, 0.0) * math.log(s) / math.log(s) * s
+
+    x = bst.randn(4, 32, seed=1).float()
+    assert_fusion(lambda x: torch.relu(x) * 2.0, (x,), [_computing_on_s(replace)], matches=1,
+                  tolerance=(1e-6, 1e-6))  # fmt: skip
+
+
+def test_an_int_literal_for_a_float_wildcard_is_traced_as_an_int():
+    """relu(x) * 3 (an int) traced with the float sentinel: torch.full made fp32 where the
+    replacement at 3 makes bf16, and the splice would have run full(..., 3) as int64."""
+    replace = lambda x, s: torch.clamp_min(x, 0.0) * torch.full(x.shape, s)  # noqa: E731
+    p = FusionPass("full", "relu(x) * s")
+    p.rule(replace=replace, scalars_pass_through=True)(relu_scale)
+    x = bst.randn(4, 32, seed=1)  # bf16
+    assert_fusion(
+        lambda x: torch.relu(x) * 3, (x,), [p], matches=1, reference=lambda x: replace(x, 3)
+    )
+
+
+def test_the_built_in_passes_trace_each_replacement_once_per_signature():
+    """Their replacements hand scalars to ops unchanged: 80 layers' scales must not mean 80
+    traces (the compile-time budget), and the Inliner's check agrees with their word."""
+    from beamfx import pattern
+    from beamfx.checkpoint import init_random
+    from beamfx.config import preset
+    from beamfx.models.beam import BeamForCausalLM
+
+    model = init_random(BeamForCausalLM(preset("tiny", num_hidden_layers=2)), seed=1).eval()
+    pattern.INLINER.clear()
+    compiled, manager = compile_with(model, "all")
+    with torch.no_grad():
+        compiled(torch.arange(3, 11).view(1, 8))
+    assert manager.summary()["matches"]["boundary"] == 4
+    assert not pattern.INLINER._computes_on_scalars
+    assert pattern.INLINER._other_sentinels and all(pattern.INLINER._other_sentinels.values())
+    # Four boundaries with four pairs of scales, one signature (mega_moe takes the MoE
+    # layer's finalize): traced once.
+    keys = [k for k in pattern.INLINER._cache if "fused" in getattr(k[0], "__name__", "")]
+    assert len(keys) == 1, keys
 
 
 def test_a_replacement_computing_on_its_scalar_at_some_shapes_is_caught_at_each():
