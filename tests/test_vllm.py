@@ -8,6 +8,7 @@ Engines start in subprocesses: vLLM sets process-wide state (dynamo, distributed
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -134,16 +135,26 @@ def test_each_engine_has_its_own_pass_list_without_bind(integration):
     assert ran == [["boundary"], ["attn_gate"]] and not integration.vllm_pass.bound
 
 
-def test_custom_ops_without_the_pass_say_so(integration):
+@contextlib.contextmanager
+def _beamfx_log():
+    """The messages beamfx logs (INFO and up) while the block runs."""
     records = []
     handler = logging.Handler()
     handler.emit = records.append
     logger = logging.getLogger("vllm.beamfx")
+    level = logger.level
     logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     try:
-        assert integration.bind(_engine_config(["+beamfx:boundary"], with_pass=False)) is None
+        yield records
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def test_custom_ops_without_the_pass_say_so(integration):
+    with _beamfx_log() as records:
+        assert integration.bind(_engine_config(["+beamfx:boundary"], with_pass=False)) is None
     (message,) = [r.getMessage() for r in records]
     assert "+beamfx:boundary" in message and "no beamfx pass runs" in message
     from beamfx.passes import UnknownPassError
@@ -163,15 +174,8 @@ def test_the_pass_put_under_inductors_own_options_is_refused(integration):
 
 
 def _bind_logging(integration, config):
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("vllm.beamfx")
-    logger.addHandler(handler)
-    try:
+    with _beamfx_log() as records:
         bound = integration.bind(config)
-    finally:
-        logger.removeHandler(handler)
     return bound, [r.getMessage() for r in records]
 
 
@@ -216,19 +220,10 @@ def test_the_report_says_why_a_candidate_did_not_fuse(integration):
 
     bound = integration.VllmPass(["+beamfx:boundary"])
     options = {"post_grad_custom_post_pass": bound, "fx_graph_cache": False}
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("vllm.beamfx")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
+    with _beamfx_log() as records:
         for t in (4, 6):  # two graphs, as vLLM compiles a model in pieces and sizes
             torch._dynamo.reset()
             torch.compile(sandwich, options=options)(torch.ones(t, 32), torch.ones(t, 32))
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(logging.NOTSET)
     first, second = bound.summary()["per_graph"]
     assert first["passes"][1]["matches"] == 0
     assert any("float32" in e["reason"] for e in first["explain"]), first["explain"]
