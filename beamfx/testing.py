@@ -39,6 +39,7 @@ from beamfx.pipeline import op_counts as op_counts  # re-exported for tests
 
 __all__ = [
     "assert_fusion",
+    "examples",
     "load_profile",
     "FusionResult",
     "strategies",
@@ -87,6 +88,14 @@ def load_profile(name: str | None = None) -> str:
         ) from None
     settings.load_profile(name)
     return name
+
+
+def examples(n: int) -> int:
+    """`n` examples under the "ci" profile, as many more as the loaded profile has: for a
+    test that pins its own `max_examples` (a slow one), so "thorough" still runs it more."""
+    from hypothesis import settings
+
+    return max(1, n * settings().max_examples // PROFILES["ci"])
 
 
 # Inductor options vLLM's CPU platform sets: no size or stride asserts, so an op's fake that

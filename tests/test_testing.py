@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 
 from beamfx.pattern import Act, FusionPass, H, T, dtype_in
-from beamfx.testing import assert_fusion, load_profile, ulps
+from beamfx.testing import assert_fusion, examples, load_profile, ulps
 from beamfx.testing import strategies as bst
 
 
@@ -161,6 +161,7 @@ def test_profiles_come_with_the_kit():
     try:
         assert load_profile("thorough") == "thorough"
         assert settings().max_examples == 300 and settings().deadline is None
+        assert examples(10) == 250  # a test pinned to 10 runs 25 times as many too
         settings.register_profile("mine", max_examples=3)
         assert load_profile("mine") == "mine" and settings().max_examples == 3
         with pytest.raises(ValueError, match="'thourough'.*neither beamfx's .ci, thorough."):
@@ -169,3 +170,5 @@ def test_profiles_come_with_the_kit():
         name = load_profile()
     assert name == os.environ.get("HYPOTHESIS_PROFILE", "ci")
     assert settings().max_examples == PROFILES.get(name, settings().max_examples)
+    if name == "ci":
+        assert examples(10) == 10

@@ -25,6 +25,7 @@ from beamfx.kernels.moe import cutedsl as cd
 from beamfx.kernels.moe import fragments as frag
 from beamfx.kernels.moe import nvfp4
 from beamfx.kernels.moe import reference as ref
+from beamfx.testing import examples
 
 E4M3_BYTES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
 FINITE_E4M3 = E4M3_BYTES[E4M3_BYTES.float().isfinite()]
@@ -287,7 +288,7 @@ def test_permute_k_matches_the_fragment_k_order():
     top_k=st.integers(1, 8),
     seed=st.integers(0, 1000),
 )
-@settings(deadline=None, max_examples=20)
+@settings(deadline=None, max_examples=examples(20))
 def test_cutedsl_random_shapes_gpu(tokens, hidden, inter, experts, top_k, seed):
     k = min(top_k, experts)
     cfg = cd.Config(grouped=seed % 2 == 1, warps2=min(8, k), pdl=seed % 4 < 2,

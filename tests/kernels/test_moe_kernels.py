@@ -30,6 +30,7 @@ from beamfx.kernels.moe import cutedsl as cd
 from beamfx.kernels.moe import flashinfer as fi
 from beamfx.kernels.moe import grouped, nvfp4
 from beamfx.kernels.moe import reference as ref
+from beamfx.testing import examples
 
 tk = pytest.importorskip("beamfx.kernels.moe.triton")
 no_triton = pytest.mark.skipif(tk.triton is None, reason="triton not installed")
@@ -264,7 +265,7 @@ def sort_case(experts, bm, pairs, hi, device, path, seed=0):
     top_k=st.integers(1, 4),
     seed=st.integers(0, 2**16),
 )
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 def test_grouped_mm_matches_reference(tokens, experts, top_k, seed):
     top_k = min(top_k, experts)
     x, ids, wt, _, w13, w2 = make_moe(tokens, 64, 32, experts, top_k, "cpu", seed)
@@ -488,7 +489,7 @@ def test_kernels_match_reference_gpu(tokens, hidden, inter, experts, top_k, fp4,
     decode=st.sampled_from([0, 1, "fma", "rows"]),
     seed=st.integers(0, 2**16),
 )
-@settings(max_examples=12)
+@settings(max_examples=examples(12))
 def test_kernels_random_shapes_gpu(tokens, hidden, inter, experts, top_k, fp4, decode, seed):
     top_k = min(top_k, experts)
     fp4 = fp4 or decode == "fma"
@@ -509,7 +510,7 @@ def test_combine_is_repeatable_gpu():
 
 @gpu
 @needs_cuda
-@settings(deadline=None, max_examples=40)
+@settings(deadline=None, max_examples=examples(40))
 @given(
     experts=st.sampled_from([1, 8, 256, 257, 1024]),
     bm=st.sampled_from([8, 64, 128]),

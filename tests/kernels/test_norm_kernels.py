@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from beamfx import ops
 from beamfx.kernels.norm import gate as reference
-from beamfx.testing import run_interpreted, ulps
+from beamfx.testing import examples, run_interpreted, ulps
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 nt = pytest.importorskip("beamfx.kernels.norm.triton")
@@ -64,7 +64,7 @@ def test_kernel_under_triton_interpreter():
 
 
 @needs_interpreter
-@settings(deadline=None, max_examples=12)
+@settings(deadline=None, max_examples=examples(12))
 @given(
     tokens=st.integers(1, 9),
     heads=st.sampled_from([1, 3, 8]),

@@ -19,6 +19,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from beamfx.kernels.moe import nvfp4
 from beamfx.kernels.moe import reference as ref
 from beamfx.kernels.moe.nvfp4 import NVFP4Error
+from beamfx.testing import examples
 
 # Hand table: code -> value (bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa).
 E2M1_TABLE = {
@@ -195,7 +196,7 @@ def dense_moe(x, weights, ids, w13, w2, scale):
     top_k=st.integers(1, 4),
     seed=st.integers(0, 2**16),
 )
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 def test_references_agree(tokens, n_group, group_size, top_k, seed):
     experts = n_group * group_size
     topk_group = max(1, n_group // 2)

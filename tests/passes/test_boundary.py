@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from beamfx import ops as ir
-from beamfx.testing import VLLM_CPU_INDUCTOR, assert_fusion, compile_with
+from beamfx.testing import VLLM_CPU_INDUCTOR, assert_fusion, compile_with, examples
 from beamfx.testing import strategies as bst
 
 
@@ -122,7 +122,7 @@ def test_a_broadcast_residual_is_left_unfused(shape):
     assert res.manager.reports[0].matches("canonicalize") == 0
 
 
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 @given(t=bst.token_counts(16), hidden=bst.hidden_sizes(), scales=bst.residual_scales(),
        data=st.data(), seed=st.integers(0, 2**16))  # fmt: skip
 def test_a_plain_boundary_fuses_exactly_where_the_residual_is_x_shaped(t, hidden, scales, data,
