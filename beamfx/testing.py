@@ -22,7 +22,9 @@ the pass list.
 
 Hypothesis profiles: `load_profile()` registers "ci" (12 examples, the default) and
 "thorough" (300) and loads the one `HYPOTHESIS_PROFILE` names; call it from a conftest.py.
-A compile takes seconds, past hypothesis' default deadline: both profiles have none.
+A compile takes seconds, past hypothesis' default deadline: both profiles have none. A
+slow test that pins its own count writes `@settings(max_examples=examples(10))`, which the
+thorough profile scales up like the rest.
 """
 
 from __future__ import annotations
