@@ -39,15 +39,20 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, float | int) and not isinstance(value, bool)
 
 
+def _own_keys() -> dict[str, Any]:
+    """Beam's own config keys, each with BeamConfig's default."""
+    import inspect
+
+    params = inspect.signature(BeamConfig.__init__).parameters.items()
+    return {k: p.default for k, p in params if k not in ("self", "kwargs")}
+
+
 def _warn_near_misses(extra: dict[str, Any]) -> None:
     """A key transformers would keep as a plain attribute, spelled like one of Beam's own
     (`num_expert_per_tok`), leaves that key at its default: say so."""
     import difflib
-    import inspect
 
-    ours = [
-        k for k in inspect.signature(BeamConfig.__init__).parameters if k not in ("self", "kwargs")
-    ]
+    ours = list(_own_keys())
     for key in extra:
         close = difflib.get_close_matches(key, ours, n=1, cutoff=0.85)
         if close and key not in ours:
@@ -282,13 +287,7 @@ class BeamConfig(PretrainedConfig):
 
 
 def _warn_missing(path: str, data: dict[str, Any]) -> None:
-    import inspect
-
-    defaults = {
-        k: p.default
-        for k, p in inspect.signature(BeamConfig.__init__).parameters.items()
-        if k not in ("self", "kwargs", *OPTIONAL_KEYS)
-    }
+    defaults = {k: v for k, v in _own_keys().items() if k not in OPTIONAL_KEYS}
     missing = [k for k in defaults if k not in data]
     if missing:
         given = ", ".join(f"{k}={defaults[k]!r}" for k in missing)

@@ -255,6 +255,11 @@ class Rejection:
     reason: str
     constraint: str | None = None
 
+    def describe(self) -> str:
+        """`node (pass/rule): [constraint] reason`, as reports print it."""
+        where = f"[{self.constraint}] " if self.constraint else ""
+        return f"{self.node} ({self.pass_name}/{self.rule}): {where}{self.reason}"
+
 
 @dataclass
 class _Variant:
@@ -731,8 +736,7 @@ class Inliner:
             s = next(floats) if kind is float and type(a) is float and pass_through else None
             if s is None or isinstance(a, bool) or a is None:
                 traced.append(a)
-                # By type and repr: 0.0 == -0.0 and 1 == 1.0, but 1 / s tells them apart.
-                values.append(("v", type(a).__name__, repr(a)))
+                values.append(_value_key(a))
             else:
                 sentinels[s] = a
                 traced.append(s)
@@ -814,7 +818,7 @@ for _name in (
 
 
 def _same_for_other_sentinels(fn, mode, gm, traced, sentinels) -> bool:
-    probes = [_Probe(_alt(a)) if _is_sentinel(a, sentinels) else a for a in traced]
+    probes = [_Probe(_ALT_FLOAT[a]) if _is_sentinel(a, sentinels) else a for a in traced]
     _Probe.used = []
     try:
         other = _trace_replacement(fn, mode, probes)
@@ -835,19 +839,20 @@ def _sentinels_reach(gm: torch.fx.GraphModule, sentinels: dict[Any, Any]) -> boo
     return len(found) == len(sentinels)
 
 
-def _alt(sentinel: float) -> float:
-    return _ALT_FLOAT[sentinel]
-
-
 def _is_sentinel(a: Any, sentinels: dict[Any, Any]) -> bool:
-    return isinstance(a, (float, str)) and a in sentinels
+    return isinstance(a, float) and a in sentinels
+
+
+def _value_key(a: Any) -> tuple:
+    """A scalar as a cache key, by type and repr: 0.0 == -0.0 and 1 == 1.0, but a replacement
+    computing 1 / s tells them apart."""
+    return ("v", type(a).__name__, repr(a))
 
 
 def _by_value(fn, mode, values, traced, sentinels):
     """The cache key and inputs of a replacement traced with the match's own scalars."""
     real = [sentinels[a] if _is_sentinel(a, sentinels) else a for a in traced]
-    # By type and repr: 0.0 == -0.0 and 1 == 1.0, but 1 / s tells them apart.
-    keyed = [("v", type(r).__name__, repr(r)) if v[0] == "s" else v for v, r in zip(values, real)]
+    keyed = [_value_key(r) if v[0] == "s" else v for v, r in zip(values, real)]
     return (fn, id(mode), tuple(keyed)), real, {}
 
 
@@ -859,12 +864,12 @@ def _same_graph(a: torch.fx.GraphModule, b: torch.fx.GraphModule, sentinels: dic
         return False
     ia, ib = {n: i for i, n in enumerate(na)}, {n: i for i, n in enumerate(nb)}
     names = {s: i for i, s in enumerate(sentinels)}
-    alts = {_alt(s): i for s, i in names.items()}
+    alts = {_ALT_FLOAT[s]: i for s, i in names.items()}
 
     def norm(x: Any, index: dict, marks: dict) -> Any:
         if isinstance(x, torch.fx.Node):
             return ("node", index[x])
-        if isinstance(x, (float, str)) and x in marks:
+        if isinstance(x, float) and x in marks:
             return ("scalar", marks[x])
         return x
 
@@ -875,20 +880,10 @@ def _same_graph(a: torch.fx.GraphModule, b: torch.fx.GraphModule, sentinels: dic
                                     is_leaf=_is_node)  # fmt: skip
         args_y = pm.pytree.tree_map(lambda v: norm(v, ib, alts), (y.args, y.kwargs),
                                     is_leaf=_is_node)  # fmt: skip
-        if args_x != args_y:
+        # An attribute (a constant, a higher-order op's subgraph) may hold a scalar where
+        # the arguments cannot show it: not proven the same, so traced per value.
+        if args_x != args_y or x.op == "get_attr":
             return False
-        if x.op == "get_attr":
-            vx, vy = getattr(a, x.target), getattr(b, y.target)
-            if isinstance(vx, torch.Tensor) or isinstance(vy, torch.Tensor):
-                if not (isinstance(vx, torch.Tensor) and isinstance(vy, torch.Tensor)):
-                    return False
-                try:
-                    if vx.shape != vy.shape or not torch.equal(vx, vy):
-                        return False
-                except Exception:  # a fake constant has no values to compare
-                    return False
-            elif vx != vy:
-                return False
     return True
 
 
@@ -1026,9 +1021,9 @@ def _substituted(gm: torch.fx.GraphModule, sentinels: dict[Any, Any]):
 
 
 def _unsentinel(a: Any, sentinels: dict[Any, Any]) -> Any:
-    """A replacement's argument with a sentinel scalar (a float or str) put back to the
-    match's value."""
-    return sentinels.get(a, a) if isinstance(a, (float, str)) else a
+    """A replacement's argument with a sentinel scalar (a float) put back to the match's
+    value."""
+    return sentinels.get(a, a) if isinstance(a, float) else a
 
 
 def _is_node(a: Any) -> bool:
@@ -1046,15 +1041,15 @@ def _mutates(gm: torch.fx.GraphModule) -> bool:
 
 
 def _sentinel_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    """The nodes of a cached replacement whose arguments hold a float or str constant (the
-    only places a sentinel can sit), found once per graph."""
+    """The nodes of a cached replacement whose arguments hold a float constant (the only
+    places a sentinel can sit), found once per graph."""
     found = _SENTINEL_NODES.get(gm)
     if found is None:
         found = [
             n
             for n in gm.graph.nodes
             if any(
-                isinstance(a, (float, str))
+                isinstance(a, float)
                 for a in pm.pytree.tree_leaves((n.args, n.kwargs), is_leaf=_is_node)
             )
         ]

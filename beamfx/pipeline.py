@@ -178,11 +178,7 @@ class PassManager(CustomGraphPass):
                 lines.append(f"  tokens {key}: {c['graphs']} graph(s); {fused or 'no passes'}")
         for r in self.reports:
             for rej in r.explain:
-                where = f"[{rej.constraint}] " if rej.constraint else ""
-                lines.append(
-                    f"  not fused: graph {r.index} {rej.node} ({rej.pass_name}/"
-                    f"{rej.rule}): {where}{rej.reason}"
-                )
+                lines.append(f"  not fused: graph {r.index} {rej.describe()}")
         return "\n".join(lines)
 
 

@@ -278,15 +278,15 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.where(i < 0, low - i, i)
 
     far = torch.iinfo(torch.int64).max
-    one_nan = a.isnan() != b.isnan()
+    na, nb = a.isnan(), b.isnan()
     oa, ob = ordered(a), ordered(b)
     d = (oa - ob).abs()
     if a.dtype == torch.float64:  # across zero the int64 difference can overflow: in double
         # (the largest double below 2**63: 2**63 itself would wrap to int64 min)
         across = (oa.double().abs() + ob.double().abs()).clamp_max(9223372036854774784.0).long()
         d = torch.where((oa < 0) != (ob < 0), across, d)
-    d = torch.where(a.isnan() & b.isnan(), 0, d)
-    return torch.where(one_nan, far, d)
+    d = torch.where(na & nb, 0, d)
+    return torch.where(na != nb, far, d)
 
 
 def ulp_at(magnitude: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

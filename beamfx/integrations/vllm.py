@@ -219,7 +219,7 @@ class VllmPass(InductorPass):
         if not manager.reports:
             return self.format_text()
         r = manager.reports[-1]
-        totals = manager.summary()["matches"]
+        totals = {n: sum(g.matches(n) for g in manager.reports) for n in manager.stages}
         where = f" for tokens {r.compile_range}" if r.compile_range else ""
         lines = [
             f"beamfx graph {r.index}{where}: "
@@ -227,10 +227,7 @@ class VllmPass(InductorPass):
             + f"; totals over {len(manager.reports)} graph(s): "
             + ", ".join(f"{n} {c}" for n, c in totals.items())
         ]
-        for rej in r.explain:
-            constraint = f"[{rej.constraint}] " if rej.constraint else ""
-            lines.append(f"  not fused: {rej.node} ({rej.pass_name}/{rej.rule}): "
-                         f"{constraint}{rej.reason}")  # fmt: skip
+        lines += [f"  not fused: {rej.describe()}" for rej in r.explain]
         return "\n".join(lines)
 
     def format_text(self) -> str:

@@ -345,7 +345,6 @@ def experts(x, ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_we
             x.data_ptr(), flat.data_ptr(), fc1.codes.data_ptr(), fc1.scales.data_ptr(),
             g13.data_ptr(), h.data_ptr(), t * k, hidden, inter, stream,
         )  # fmt: skip
-    if t:
         compiled_fc2(k, cfg.warps2, combine, cfg.depth2, cfg.pdl, stage2, cfg.step_loads)(
             h.data_ptr(), flat.data_ptr(), fc2.codes.data_ptr(), fc2.scales.data_ptr(),
             g2.data_ptr(), weights.data_ptr(), out.data_ptr(), float(routed_scale), t,
