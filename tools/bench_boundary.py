@@ -12,12 +12,13 @@ A last row per plain token count times `torch.cat` of x and r: the same bytes mo
 copy kernel at this size, what the fused op's "% of floor" can be held against.
 Inputs rotate over several sets so that large calls are not served from L2.
 
-    python tools/bench_boundary.py [--out DIR] [--sweep] [--quick] [--ab-row2d]
+    python tools/bench_boundary.py [--out DIR] [--sweep] [--quick] [--ab-row2d] [--sweep-rows]
 
 `--ab-row2d` times only the kernel with its tiles as rows of 2-D tiles (`ROW2D`, one block
 reduction a norm) against the 1-D tiles (one a tile), and the copy of the same bytes, at
 1-16384 tokens (both split into exact tiles; and the launch heuristic's choice),
-interleaved over rounds, into `boundary_row2d_ab.json`.
+interleaved over rounds, into `boundary_row2d_ab.json`. `--sweep-rows` times several rows
+a step (`rows`) at 1024-16384 tokens the same way, into `boundary_rows_sweep.json`.
 """
 
 from __future__ import annotations
@@ -124,21 +125,23 @@ def sweep_boundary(tokens: int, sets, bw: float, topk: int) -> list[dict]:
     return out
 
 
-def ab_row2d(out_dir: str, rounds: int = 5) -> None:
-    """`ROW2D` on and off and the copy of the same bytes, interleaved over `rounds`."""
+def interleaved(out_dir: str, fns: dict, tokens_list, name: str, rounds: int = 5) -> None:
+    """Time `fns` (and the copy of the same bytes) at each token count, the configs taking
+    turns over `rounds`, into `<name>.json`: medians, % of the copy floor, every round,
+    and each config's drift from the contract (% of h and y bitwise equal)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     bw = copy_bandwidth()
-
-    fns = {"rows as 2-D tiles": fused_with(split=True, row2d=True),
-           "1-D tiles": fused_with(split=True, row2d=False), "the launch heuristic": fused_with(),
-           COPY_ROW: copy_same_bytes}  # fmt: skip
+    fns = {**fns, COPY_ROW: copy_same_bytes}
     rows = []
-    for tokens in (1, 16, 64, 256, 1024, 4096, 16384):
+    for tokens in tokens_list:
         n_sets = max(1, min(16, math.ceil(ROTATION_BYTES / boundary_bytes(tokens, 0))))
         sets = [make_set(tokens, 0, gen) for _ in range(n_sets)]
         want_h, want_y = reference.fused_boundary(*sets[0])
-        h2, y2 = fns["rows as 2-D tiles"](*sets[0])
-        h1, y1 = fns["1-D tiles"](*sets[0])
+        equal = {}
+        for n, fn in fns.items():
+            if fn is not copy_same_bytes:
+                h, y = fn(*sets[0])
+                equal[n] = (drift(h, want_h)[0], drift(y, want_y)[0])
         times = {n: [] for n in fns}
         for _ in range(rounds):
             for n, fn in fns.items():
@@ -148,20 +151,46 @@ def ab_row2d(out_dir: str, rounds: int = 5) -> None:
         row = dict(tokens=tokens, floor_us=round(floor, 2), median_us=med,
                    pct_floor={n: round(100 * floor / t, 1) for n, t in med.items()},
                    rounds={n: [round(t, 2) for t in v] for n, v in times.items()},
-                   h_equal_pct_2d=drift(h2, want_h)[0], y_equal_pct_2d=drift(y2, want_y)[0],
-                   h_equal_pct_1d=drift(h1, want_h)[0],
-                   y_equal_pct_1d=drift(y1, want_y)[0])  # fmt: skip
+                   h_y_equal_pct=equal)  # fmt: skip
         rows.append(row)
-        print(tokens, med, row["pct_floor"], flush=True)
+        best = sorted(med.items(), key=lambda kv: kv[1])[:4]
+        print(tokens, best, {n: row["pct_floor"][n] for n, _ in best}, flush=True)
         del sets
         torch.cuda.empty_cache()
-    meta = dict(bench="boundary ROW2D A/B", device=torch.cuda.get_device_name(),
+    meta = dict(bench=f"boundary {name}", device=torch.cuda.get_device_name(),
                 torch=torch.__version__, triton=triton.__version__,
                 date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 copy_bandwidth_GBps=round(bw / 1e9, 1),
                 timing=f"CUDA-graph replay medians, {rounds} interleaved rounds")  # fmt: skip
-    with open(os.path.join(out_dir, "boundary_row2d_ab.json"), "w") as f:
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+def ab_row2d(out_dir: str) -> None:
+    """`ROW2D` on and off (exact tiles both) and the launch heuristic's choice."""
+    fns = {"rows as 2-D tiles": fused_with(split=True, row2d=True),
+           "1-D tiles": fused_with(split=True, row2d=False),
+           "the launch heuristic": fused_with()}  # fmt: skip
+    interleaved(out_dir, fns, (1, 16, 64, 256, 1024, 4096, 16384), "boundary_row2d_ab")
+
+
+def sweep_rows(out_dir: str) -> None:
+    """Several rows a step (`boundary_into(rows=...)`: one block reduction a norm for all
+    of them) x the next step's loads ahead or not x programs an SM, against the launch
+    heuristic and one row a step as 2-D tiles, at the bandwidth-bound sizes."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    fns = {"the launch heuristic": fused_with(),
+           "1 row, 2-D tiles, 16 warps": fused_with(split=True, row2d=True)}  # fmt: skip
+    # 16 warps: the tiles as [threads, values a thread] (one 16-byte load each); 105-112
+    # registers (sm_90 SASS), so one program an SM unless the grid asks for two.
+    for rows in (2, 4):
+        for prefetch in (True, False):
+            for per_sm in (1, 2):
+                fns[f"{rows} rows, prefetch {prefetch}, {per_sm} an SM"] = fused_with(
+                    rows=rows, num_warps=16, programs=per_sm * sms, split=True, row2d=True,
+                    prefetch=prefetch,
+                )  # fmt: skip
+    interleaved(out_dir, fns, (1024, 4096, 16384), "boundary_rows_sweep", rounds=3)
 
 
 def main() -> None:
@@ -174,10 +203,11 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also sweep the kernel's launch shape")
     ap.add_argument("--quick", action="store_true", help="token counts 1, 64, 4096 only")
     ap.add_argument("--ab-row2d", action="store_true", help="only the ROW2D A/B (see above)")
+    ap.add_argument("--sweep-rows", action="store_true", help="only the rows-a-step sweep")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    if args.ab_row2d:
-        ab_row2d(args.out)
+    if args.ab_row2d or args.sweep_rows:
+        ab_row2d(args.out) if args.ab_row2d else sweep_rows(args.out)
         return
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
