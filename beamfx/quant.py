@@ -83,6 +83,25 @@ def load_expert_scale(model, name: str, tensor: torch.Tensor) -> str | None:
     return f"{base}.w13_{field}"
 
 
+def _checkpoint_names(experts: str, part: str, inter: int | None = None):
+    """Labels naming an entry of `part`'s block scales ([E, rows, K/16]; w13's rows are
+    gate's `inter` then up's) and global scales ([E, 2] for w13, [E] for w2) by the
+    checkpoint tensor it was loaded from."""
+
+    def proj(e: int, half: int) -> str:
+        kind = "down_proj" if part == "w2" else ("gate_proj", "up_proj")[half]
+        return f"{experts}.{e}.{kind}"
+
+    def block(i: list[int]) -> str:
+        e, row = i[0], i[1]
+        return f"{proj(e, row // inter if inter else 0)}.weight_scale"
+
+    def global_(i: list[int]) -> str:
+        return f"{proj(i[0], i[1] if len(i) > 1 else 0)}.weight_scale_2"
+
+    return block, global_
+
+
 def check_loaded(model) -> None:
     """Raise `NVFP4Error` if an NVFP4 expert stack lacks scales or holds invalid ones."""
     for name, module in model.named_modules():
@@ -102,7 +121,10 @@ def check_loaded(model) -> None:
                         f"{name}.{part}: the checkpoint lacks the weight_scale of experts "
                         f"{unset[:8]}{' ...' if len(unset) > 8 else ''}: add them"
                     )
-                check_scale_values(scale, g, f"{name}.{part}")
+                inter = scale.shape[1] // 2 if part == "w13" else None
+                check_scale_values(
+                    scale, g, f"{name}.{part}", *_checkpoint_names(name, part, inter)
+                )
 
 
 def nvfp4_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

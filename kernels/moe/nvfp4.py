@@ -9,8 +9,9 @@ A weight `W [..., N, K]` is stored as
 `W[n, k] = e2m1(code[n, k]) * float(scale[n, k // 16]) * global_scale`.
 
 Quantization follows ModelOpt: the block scale is `amax(block) / (6 * global)` rounded to
-E4M3 (an all-zero block gets 1.0), values are divided by `scale * global` in fp32 and
-rounded to the nearest E2M1 value, ties to even, saturating at +-6.
+E4M3 (an all-zero block gets 1.0; a nonzero block whose scale underflows E4M3 keeps its
+smallest, 2^-9, where ModelOpt's would be 0), values are divided by `scale * global` in fp32
+and rounded to the nearest E2M1 value, ties to even, saturating at +-6.
 
 Error bound of a round trip (`dequantize(quantize(x))`), with `S = scale * global` the
 block's effective scale: every element satisfies
@@ -30,6 +31,7 @@ import torch
 BLOCK = 16  # values per E4M3 scale
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
+E4M3_MIN = 2.0**-9  # E4M3's smallest subnormal
 # Code -> value. Codes 0-7 are +0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 is the sign.
 E2M1_VALUES = (
     0.0,
@@ -153,20 +155,39 @@ def check(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor)
         )
 
 
-def check_scale_values(scale: torch.Tensor, global_scale: torch.Tensor, name: str = "") -> None:
-    """Raise `NVFP4Error` if block or global scales are negative, NaN or infinite (host sync)."""
+def _entries(t: torch.Tensor, bad: torch.Tensor, label) -> str:
+    """The first bad entries of `t`, each as `label(index) = value`."""
+    shown = [f"{label(i)} = {t[tuple(i)].item():.4g}" for i in bad.nonzero()[:4].tolist()]
+    more = int(bad.sum()) - len(shown)
+    return ", ".join(shown) + (f" (and {more} more)" if more > 0 else "")
+
+
+def check_scale_values(
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    name: str = "",
+    scale_label=None,
+    global_label=None,
+) -> None:
+    """Raise `NVFP4Error` if block or global scales are negative, NaN or infinite (host sync),
+    naming the bad entries: `scale_label(index)` / `global_label(index)` (an index list) name
+    one entry, e.g. as the checkpoint tensor it came from."""
     what = f" of {name}" if name else ""
     s = scale.float()
-    if not torch.isfinite(s).all() or (s < 0).any():
+    bad = ~torch.isfinite(s) | (s < 0)
+    if bad.any():
+        label = scale_label or (lambda i: f"{name or 'scale'}{i}")
         raise NVFP4Error(
             f"NVFP4 block scales{what} must be finite and >= 0; found "
-            f"{s[~torch.isfinite(s) | (s < 0)].flatten()[:4].tolist()}: the checkpoint is damaged"
+            f"{_entries(s, bad, label)}: the checkpoint is damaged"
         )
     g = global_scale.float()
-    if not torch.isfinite(g).all() or (g <= 0).any():
+    bad = ~torch.isfinite(g) | (g <= 0)
+    if bad.any():
+        label = global_label or (lambda i: f"{name or 'global scale'}{i}")
         raise NVFP4Error(
-            f"NVFP4 global scale{what} must be finite and > 0; got "
-            f"{g.flatten()[:4].tolist()}: weight_scale_2 is amax / (6 * 448)"
+            f"NVFP4 global scale{what} must be finite and > 0; got {_entries(g, bad, label)}: "
+            "weight_scale_2 is amax / (6 * 448)"
         )
 
 
@@ -183,18 +204,33 @@ def quantize(x: torch.Tensor, global_scale: torch.Tensor | float | None = None) 
             f"quantize needs x [..., N, K] with K a multiple of {BLOCK}, got shape "
             f"{tuple(x.shape)}: pad K"
         )
-    if torch.isnan(x).any() or torch.isinf(x).any():
-        raise NVFP4Error("quantize got NaN or inf values: NVFP4 holds finite numbers only")
     xf = x.float()
+    if not torch.isfinite(xf).all():
+        raise NVFP4Error(
+            "quantize got NaN or inf values (or values beyond fp32's range): NVFP4 holds "
+            "finite fp32 numbers only"
+        )
     lead = x.shape[:-2]
     if global_scale is None:
         g = global_scale_of(xf)
+        tiny = (g > 0) & (g < torch.finfo(torch.float32).tiny)
+        if tiny.any():
+            amax = xf.abs().amax((-2, -1))[tiny].min().item()
+            raise NVFP4Error(
+                f"quantize got a matrix whose largest magnitude is {amax:.4g}: its global scale "
+                "amax / (6 * 448) is below fp32's smallest normal number; scale the values up"
+            )
+        g = torch.where(g > 0, g, torch.ones_like(g))  # an all-zero matrix: any scale works
     else:
         g = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
         g = g.expand(lead) if g.dim() == 0 else g
+        if not (torch.isfinite(g) & (g > 0)).all():
+            raise NVFP4Error(
+                f"quantize got global_scale {g.flatten()[:4].tolist()}: it must be finite and "
+                "> 0 (ModelOpt's is amax / (6 * 448) of the matrix)"
+            )
     if g.shape != lead:
         raise NVFP4Error(f"global_scale has shape {tuple(g.shape)}; expected {tuple(lead)}")
-    g = torch.where(g > 0, g, torch.ones_like(g))  # an all-zero matrix: any scale works
     gb = g.reshape(*lead, 1, 1, 1)
     blocks = xf.unflatten(-1, (-1, BLOCK))  # [..., N, K/16, 16]
     block_scale = blocks.abs().amax(-1, keepdim=True) / (E2M1_MAX * gb)
@@ -204,8 +240,18 @@ def quantize(x: torch.Tensor, global_scale: torch.Tensor | float | None = None) 
             f"global_scale is too small: a block scale reaches {block_scale.max().item():.4g} > "
             f"{E4M3_MAX} (E4M3's largest); use at least amax / (6 * 448)"
         )
-    block_scale = block_scale.clamp(max=E4M3_MAX)
-    block_scale = torch.where(block_scale == 0, torch.ones_like(block_scale), block_scale)
+    nonzero = block_scale > 0
+    if global_scale is not None and (nonzero & (block_scale < E4M3_MIN / 2)).any():
+        least = block_scale[nonzero].min().item()
+        raise NVFP4Error(
+            f"global_scale is too large: a nonzero block's scale {least:.4g} is below E4M3's "
+            f"smallest ({E4M3_MIN:.4g}), so its values would all quantize to zero; use "
+            "amax / (6 * 448)"
+        )
+    # A nonzero block whose scale underflows E4M3 keeps the smallest scale (not 0, which
+    # would drop its values); an all-zero block takes 1.
+    block_scale = block_scale.clamp(min=E4M3_MIN, max=E4M3_MAX)
+    block_scale = torch.where(nonzero, block_scale, torch.ones_like(block_scale))
     scale = block_scale.to(torch.float8_e4m3fn)
     effective = scale.float() * gb
     scaled = torch.where(effective > 0, blocks / effective, torch.zeros_like(blocks))
@@ -262,7 +308,12 @@ def check_experts(w13, w13_scale, w13_global, w2, w2_scale, w2_global) -> None:
             f"and {tuple(w2.shape)}"
         )
     e, two_i, half_h = w13.shape
-    if two_i % 2 or tuple(w2.shape) != (e, half_h * 2, two_i // 4):
+    if two_i % (2 * BLOCK):
+        raise NVFP4Error(
+            f"NVFP4 experts: w13 {tuple(w13.shape)} gives I = {two_i / 2:g} (w13.shape[1] / 2); "
+            f"I must be a multiple of {BLOCK}, the block that FC2's scales cover"
+        )
+    if tuple(w2.shape) != (e, half_h * 2, two_i // 4):
         raise NVFP4Error(
             f"NVFP4 experts: w2 has shape {tuple(w2.shape)} but w13 {tuple(w13.shape)} needs "
             f"({e}, {half_h * 2}, {two_i // 4}) (H = 2 * w13.shape[2], I = w13.shape[1] / 2)"

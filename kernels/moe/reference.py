@@ -64,6 +64,8 @@ def why_not_layout(x, topk_ids, w13, w2, scales=None) -> str | None:
         )
     if scales is None:
         return None
+    if inter % 16:
+        return f"needs NVFP4 experts' intermediate size a multiple of 16, got {inter}"
     w13_scale, w13_global, w2_scale, w2_global = scales
     for name, s, want in (
         ("w13_scale", w13_scale, (e, 2 * inter, hidden // 16)),

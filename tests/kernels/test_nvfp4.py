@@ -171,6 +171,49 @@ def test_errors_name_the_problem():
     assert nvfp4.modelopt_nvfp4(None) is False
 
 
+@pytest.mark.parametrize("bad", [-1.0, 0.0, float("nan"), float("inf")])
+def test_a_given_global_scale_that_is_not_finite_and_positive_is_refused(bad):
+    with pytest.raises(NVFP4Error, match=r"global_scale \[.*\]: it must be finite and > 0"):
+        nvfp4.quantize(torch.randn(2, 32), global_scale=bad)
+
+
+def test_a_given_global_scale_too_large_for_e4m3_is_refused():
+    # 1e30 puts every block's scale far below E4M3's smallest: all values would be 0.
+    with pytest.raises(NVFP4Error, match="too large"):
+        nvfp4.quantize(torch.randn(2, 32), global_scale=1e30)
+
+
+def test_a_block_whose_scale_underflows_e4m3_keeps_its_values():
+    # Block 2's amax is far below block 1's: its scale underflows E4M3, and keeps 2^-9.
+    x = torch.zeros(1, 32)
+    x[0, 0], x[0, 16:] = 2688.0, 0.004
+    q = nvfp4.quantize(x)
+    assert q.scale.float()[0, 1].item() == 2.0**-9
+    assert q.dequantize()[0, 16:].tolist() == [0.00390625] * 16
+
+
+def test_values_beyond_fp32_or_too_small_for_an_fp32_global_scale_are_named():
+    big = torch.ones(1, 16, dtype=torch.float64)
+    big[0, 0] = 1e300
+    with pytest.raises(NVFP4Error, match="beyond fp32's range"):
+        nvfp4.quantize(big)
+    with pytest.raises(NVFP4Error, match="largest magnitude is 3e-39"):
+        nvfp4.quantize(torch.full((1, 16), 3e-39))
+
+
+def test_an_intermediate_size_off_the_block_is_named():
+    # I = 17: w2 [E, H, 8] holds 16 values a row, so only the I check can catch it.
+    w13 = torch.zeros(2, 34, 16, dtype=torch.uint8)
+    w2 = torch.zeros(2, 32, 8, dtype=torch.uint8)
+    e4m3 = torch.float8_e4m3fn
+    scales = (torch.ones(2, 34, 2, dtype=e4m3), torch.ones(2, 2), torch.ones(2, 32, 1, dtype=e4m3),
+              torch.ones(2))  # fmt: skip
+    with pytest.raises(NVFP4Error, match="I = 17 .* multiple of 16"):
+        nvfp4.check_experts(w13, scales[0], scales[1], w2, scales[2], scales[3])
+    x, ids = torch.randn(3, 32, dtype=torch.bfloat16), torch.zeros(3, 1, dtype=torch.int32)
+    assert "multiple of 16, got 17" in ref.why_not_layout(x, ids, w13, w2, scales)
+
+
 # --- the references agree with each other --------------------------------------------------
 
 
@@ -439,3 +482,23 @@ def test_inference_tensor_weights_under_a_cuda_graph_capture_are_named(monkeypat
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     with pytest.warns(UserWarning, match="inference tensors"):
         assert WeightCache().get((w,), lambda: 0) == 0
+
+
+@pytest.mark.parametrize(
+    "tensor, value, named",
+    [("experts.6.up_proj.weight_scale_2", 0.0, r"experts\.6\.up_proj\.weight_scale_2 = 0"),
+     ("experts.7.down_proj.weight_scale_2", -1.0, r"experts\.7\.down_proj\.weight_scale_2 = -1"),
+     ("experts.5.up_proj.weight_scale", -1.0, r"experts\.5\.up_proj\.weight_scale = -1")],
+)  # fmt: skip
+def test_a_bad_scale_is_named_by_its_checkpoint_tensor(nvfp4_checkpoint, tensor, value, named):
+    """The error printed the stack's first four global scales (all valid) under the buffer's
+    name; it names the bad entries' checkpoint tensors and values."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(f"{nvfp4_checkpoint}/model.safetensors")
+    name = next(k for k in tensors if k.endswith(tensor))
+    bad = tensors[name].clone()
+    bad.view(-1)[-1] = value
+    tensors[name] = bad
+    with pytest.raises(NVFP4Error, match=named):
+        _vllm_load(nvfp4_checkpoint, tensors)
