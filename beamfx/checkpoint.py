@@ -20,6 +20,7 @@ _COLUMN = re.compile(
     r"mlp\.(gate_proj|up_proj)\.weight$|self_attn\.gate_bias$"
 )
 _ROW = re.compile(r"self_attn\.o_proj\.weight$|mlp\.down_proj\.weight$")
+_NVFP4_SCALE = re.compile(r"\.(weight_scale|weight_scale_2|input_scale)$")
 
 
 def hf_state_dict(model) -> dict[str, torch.Tensor]:
@@ -95,6 +96,13 @@ def load_into(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         if nvfp4_scale is not None:
             loaded.add(nvfp4_scale)
             continue
+        if name not in params and _NVFP4_SCALE.search(name):
+            raise CheckpointError(
+                f"checkpoint tensor {name!r} is an NVFP4 scale of a module that is not a "
+                "routed expert: beamfx reads NVFP4 for routed experts only; export the "
+                "checkpoint with the other modules left unquantized (ModelOpt's "
+                "exclude_modules)"
+            )
         if name not in params:
             raise KeyError(f"checkpoint tensor {name!r} has no place in BeamForCausalLM")
         shape = tuple(params[name].shape)
@@ -117,10 +125,19 @@ def _check_dtype(name: str, w: torch.Tensor, dtype: torch.dtype) -> None:
     # packed uint8 of NVFP4) would be copied as numbers, so they must be what is expected.
     if w.dtype != dtype and not (dtype.is_floating_point and w.dtype.is_floating_point):
         want = "a floating-point tensor" if dtype.is_floating_point else str(dtype)
+        if dtype == torch.uint8 and w.dtype.is_floating_point:
+            why = (
+                "config.json's quantization_config says NVFP4 experts, but the checkpoint "
+                "holds unquantized ones: remove quantization_config, or load the NVFP4 export"
+            )
+        else:
+            why = (
+                "is the checkpoint quantized in a way config.json's quantization_config does "
+                "not say? beamfx reads bf16 checkpoints and ModelOpt NVFP4 routed experts "
+                "(other modules unquantized)"
+            )
         raise CheckpointError(
-            f"checkpoint tensor {name!r} is {w.dtype}, but the model needs {want} there: "
-            "is the checkpoint quantized in a way config.json's quantization_config does not "
-            "say (beamfx reads bf16 and ModelOpt NVFP4 experts)?"
+            f"checkpoint tensor {name!r} is {w.dtype}, but the model needs {want} there: {why}"
         )
 
 

@@ -75,6 +75,11 @@ def load_expert_scale(model, name: str, tensor: torch.Tensor) -> str | None:
         return f"{base}.{'w2' if kind == 'down_proj' else 'w13'}_scale"
     if tensor.numel() != 1:
         raise NVFP4Error(f"checkpoint tensor {name!r} must be a scalar, got {tuple(tensor.shape)}")
+    if not tensor.is_floating_point():
+        raise NVFP4Error(
+            f"checkpoint tensor {name!r} is {tensor.dtype}; an NVFP4 {what} is an fp32 scalar: "
+            "re-export the checkpoint"
+        )
     field = "global" if what == "weight_scale_2" else "input_scale"
     if kind == "down_proj":
         getattr(experts, f"w2_{field}")[e] = tensor.reshape(())

@@ -502,3 +502,29 @@ def test_a_bad_scale_is_named_by_its_checkpoint_tensor(nvfp4_checkpoint, tensor,
     tensors[name] = bad
     with pytest.raises(NVFP4Error, match=named):
         _vllm_load(nvfp4_checkpoint, tensors)
+
+
+def test_nvfp4_outside_the_routed_experts_and_integer_scales_are_named(nvfp4_checkpoint):
+    """ModelOpt's default recipe quantizes attention too: that failed as a KeyError "has no
+    place"; a weight_scale_2 stored as int32 loaded as a number."""
+    from safetensors.torch import load_file
+
+    from beamfx.checkpoint import CheckpointError
+
+    tensors = load_file(f"{nvfp4_checkpoint}/model.safetensors")
+    q = next(k for k in tensors if k.endswith("self_attn.q_proj.weight"))
+    attention = {**tensors, q.replace(".weight", ".input_scale"): torch.tensor(1.0)}
+    with pytest.raises(CheckpointError, match="NVFP4 for routed experts only"):
+        _vllm_load(nvfp4_checkpoint, attention)
+    g = next(k for k in tensors if k.endswith("experts.0.down_proj.weight_scale_2"))
+    integer = {**tensors, g: torch.tensor(1, dtype=torch.int32)}
+    with pytest.raises(NVFP4Error, match="is torch.int32; an NVFP4 weight_scale_2 is an fp32"):
+        _vllm_load(nvfp4_checkpoint, integer)
+
+
+def test_an_unquantized_checkpoint_under_an_nvfp4_config_is_named(nvfp4_checkpoint):
+    from beamfx.checkpoint import CheckpointError
+
+    w = torch.zeros(8, 8, dtype=torch.bfloat16)
+    with pytest.raises(CheckpointError, match="says NVFP4 experts, but the checkpoint holds"):
+        _vllm_load(nvfp4_checkpoint, {"model.layers.1.mlp.experts.0.down_proj.weight": w})
