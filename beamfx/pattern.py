@@ -452,6 +452,11 @@ class FusionPass:
             if len(set(acts.values())) > 1:
                 found = ", ".join(f"{n} {d}" for n, d in acts.items())
                 return reject(match, f"activations of more than one dtype: {found}", "dtype")
+            if not set(acts.values()) <= set(variant.rule.dtypes):
+                found = ", ".join(f"{n} {d}" for n, d in acts.items())
+                traced = ", ".join(str(d) for d in variant.rule.dtypes)
+                why = f"activations {found}: the rule is traced for {traced} only"
+                return reject(match, why, "dtype")
             if not set(acts.values()) <= variant.act_dtypes:
                 return False  # another variant of the rule covers this dtype
             args = {

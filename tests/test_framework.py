@@ -503,6 +503,23 @@ def test_explain_names_activations_of_two_dtypes():
     assert "w_post torch.float32" in reasons[0].reason
 
 
+def test_explain_names_an_activation_dtype_no_variant_covers():
+    """fp64 activations: no variant of the boundary rule is traced for them, and explain
+    said only that the pattern diverged (from the closest variant's structure)."""
+    x, r, w = (bst.randn(*s, seed=i).double() for i, s in enumerate([(4, 32), (4, 32), (32,)]))
+
+    def fn(x, r):
+        h = ir.scaled_residual_add(ir.rms_norm(x, w, 1e-6), r, 0.5, 0.75)
+        return h, ir.rms_norm(h, w, 1e-6)
+
+    compiled, manager = compile_with(fn, ["boundary"], explain=True)
+    compiled(x, r)
+    assert [rep.matches("boundary") for rep in manager.reports] == [0]
+    reasons = [e for r in manager.reports for e in r.explain]
+    assert reasons and all(e.constraint == "dtype" for e in reasons), reasons
+    assert "torch.float64: the rule is traced for torch.bfloat16" in reasons[0].reason
+
+
 def test_a_match_whose_input_is_made_after_its_first_output():
     """The next norm's weight is computed after the residual add: the fused op, placed
     where the match began, reads it; the graph is sorted again, so it lints and runs."""
