@@ -186,8 +186,10 @@ class BeamMLP(nn.Module):
 class BeamRouter(nn.Module):
     def __init__(self, cfg: BeamConfig):
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))  # fp32
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts))
+        # fp32 whatever the default dtype (vLLM builds models under the model's dtype).
+        fp32 = dict(dtype=torch.float32)
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size, **fp32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts, **fp32))
 
 
 class BeamExperts(nn.Module):
@@ -226,13 +228,14 @@ class BeamExpertsNVFP4(nn.Module):
         self.w13 = nn.Parameter(torch.zeros(e, 2 * inter, h // 2, **packed), requires_grad=False)
         self.w2 = nn.Parameter(torch.zeros(e, h, inter // 2, **packed), requires_grad=False)
         e4m3, nan = dict(dtype=torch.float8_e4m3fn), float("nan")
+        fp32 = dict(dtype=torch.float32)  # whatever the default dtype (vLLM sets the model's)
         # Scales are NaN until loaded, so a checkpoint without them cannot pass unnoticed.
         self.register_buffer("w13_scale", torch.full((e, 2 * inter, h // 16), nan, **e4m3))
         self.register_buffer("w2_scale", torch.full((e, h, inter // 16), nan, **e4m3))
-        self.register_buffer("w13_global", torch.full((e, 2), nan))
-        self.register_buffer("w2_global", torch.full((e,), nan))
-        self.register_buffer("w13_input_scale", torch.ones(e, 2))
-        self.register_buffer("w2_input_scale", torch.ones(e))
+        self.register_buffer("w13_global", torch.full((e, 2), nan, **fp32))
+        self.register_buffer("w2_global", torch.full((e,), nan, **fp32))
+        self.register_buffer("w13_input_scale", torch.ones(e, 2, **fp32))
+        self.register_buffer("w2_input_scale", torch.ones(e, **fp32))
         self.ops = FRONTENDS["semantic"]
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

@@ -528,3 +528,31 @@ def test_an_unquantized_checkpoint_under_an_nvfp4_config_is_named(nvfp4_checkpoi
     w = torch.zeros(8, 8, dtype=torch.bfloat16)
     with pytest.raises(CheckpointError, match="says NVFP4 experts, but the checkpoint holds"):
         _vllm_load(nvfp4_checkpoint, {"model.layers.1.mlp.experts.0.down_proj.weight": w})
+
+
+def test_fp32_parameters_stay_fp32_under_the_models_default_dtype(nvfp4_checkpoint):
+    """vLLM builds the model under `set_default_torch_dtype(bf16)`: the router weight and
+    correction bias and the NVFP4 global scales, made without a dtype, came out bf16, and
+    loading rounded the checkpoint's fp32 values into them (routing moved, and the fused
+    routing, which needs an fp32 bias, stopped matching)."""
+    from safetensors.torch import load_file
+
+    from beamfx.config import load_config
+    from beamfx.models.beam import BeamForCausalLM
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = BeamForCausalLM(load_config(nvfp4_checkpoint))
+    finally:
+        torch.set_default_dtype(before)
+    tensors = load_file(f"{nvfp4_checkpoint}/model.safetensors")
+    model.load_weights(iter(tensors.items()))
+    state = dict(model.named_parameters()) | dict(model.named_buffers())
+    for name in ("gate.weight", "gate.e_score_correction_bias", "experts.w13_global",
+                 "experts.w2_global", "experts.w13_input_scale"):  # fmt: skip
+        found = [(k, v) for k, v in state.items() if k.endswith(name)]
+        assert found and all(v.dtype == torch.float32 for _, v in found), (name, found[0][1].dtype)
+    router = next(k for k in tensors if k.endswith("mlp.gate.weight"))
+    assert tensors[router].dtype == torch.float32
+    assert torch.equal(state[router], tensors[router])
