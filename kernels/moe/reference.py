@@ -6,6 +6,25 @@ from beamfx.kernels.norm.reference import silu_mul
 from beamfx.kernels.precision import widen
 
 
+def check_routing_args(experts: int, bias_shape, top_k, n_group, topk_group) -> None:
+    """Raise ValueError unless the routing is defined for these arguments: the groups
+    divide the experts, and the kept groups hold top_k experts (else top-k would take a
+    dropped group's expert, or fail in a view). Checked where the math runs, not while
+    tracing: patterns trace the ops with sentinel values."""
+    if tuple(bias_shape) != (experts,):
+        raise ValueError(f"routing: correction bias {tuple(bias_shape)} is not ({experts},)")
+    if not (n_group >= 1 and experts % n_group == 0 and 1 <= topk_group <= n_group):
+        raise ValueError(
+            f"routing: n_group {n_group} must divide the {experts} experts and topk_group "
+            f"{topk_group} lie in 1..n_group"
+        )
+    if not 1 <= top_k <= topk_group * (experts // n_group):
+        raise ValueError(
+            f"routing: top_k {top_k} must lie in 1..{topk_group * (experts // n_group)} (the "
+            f"experts of the {topk_group} kept groups)"
+        )
+
+
 def grouped_topk(
     logits: torch.Tensor,
     correction_bias: torch.Tensor,
@@ -20,6 +39,7 @@ def grouped_topk(
     scores, the best `topk_group` groups survive, and the top-k experts are taken among
     them. The weights are the unbiased sigmoid scores, renormalized if asked.
     """
+    check_routing_args(logits.shape[-1], tuple(correction_bias.shape), top_k, n_group, topk_group)
     scores = torch.sigmoid(widen(logits))
     biased = scores + widen(correction_bias)
     t, e = scores.shape

@@ -79,6 +79,9 @@ def check_routing(weights, ids, logits, bias, top_k, n_group, topk_group, renorm
     cut = gs[:, topk_group - 1 : topk_group]
     chosen = torch.zeros_like(kept).scatter_(1, ids // per_group, True)
     assert (chosen.sum(1) <= topk_group).all(), "experts from too many groups"
+    # Every valid order keeps the groups clearly above the cut.
+    kept_any_order = chosen | (group_score > cut + tol)
+    assert (kept_any_order.sum(1) <= topk_group).all(), "a group clearly above the cut dropped"
     assert (group_score[chosen] >= cut.expand_as(group_score)[chosen] - tol).all(), "bad group"
     allowed = (chosen | (group_score > cut + tol)).repeat_interleave(per_group, 1)
     allowed.scatter_(1, ids, False)
@@ -89,6 +92,37 @@ def check_routing(weights, ids, logits, bias, top_k, n_group, topk_group, renorm
         expected = expected / expected.sum(-1, keepdim=True)
     torch.testing.assert_close(weights.double().cpu(), expected, rtol=1e-5, atol=1e-6)
     return int((~clear).sum())
+
+
+def test_check_routing_refuses_a_routing_that_drops_a_clearly_kept_group():
+    """Three groups of two, two kept, top-2: group 0 (top-2 sum 1.2) is kept in every
+    valid order while groups 1 and 2 tie at the cut (0.901). Ids from groups 1 and 2 alone
+    (what scoring groups by their max gives) passed the tie-aware check."""
+    s = torch.tensor([[0.6, 0.6, 0.9, 0.001, 0.9, 0.001]], dtype=torch.float64)
+    logits, bias = torch.log(s / (1 - s)), torch.zeros(6)
+    ref_w, ref_ids = reference.grouped_topk(logits.float(), bias, 2, 3, 2, True)
+    check_routing(ref_w, ref_ids, logits, bias, 2, 3, 2, True, ref_ids)
+    bad = torch.tensor([[2, 4]], dtype=torch.int32)
+    bad_w = torch.sigmoid(logits).gather(1, bad.long())
+    with pytest.raises(AssertionError, match="clearly above the cut"):
+        check_routing(bad_w / bad_w.sum(), bad, logits, bias, 2, 3, 2, True, ref_ids)
+
+
+@pytest.mark.parametrize(
+    "top_k, n_group, topk_group, error",
+    [(3, 4, 1, "top_k 3 must lie in 1..2"), (2, 3, 1, "n_group 3 must divide the 8"),
+     (2, 4, 5, "n_group 4 must divide the 8 experts and topk_group 5"),
+     (0, 4, 1, "top_k 0 must lie"), (2, 0, 1, "n_group 0 must divide")],
+)  # fmt: skip
+def test_routing_arguments_the_math_is_not_defined_for_are_named(top_k, n_group, topk_group, error):
+    """top_k above what the kept groups hold returned an expert of a dropped group; the
+    others failed in a view or a division, or were taken."""
+    logits, bias = torch.randn(2, 8), torch.zeros(8)
+    with pytest.raises(ValueError, match="routing: " + error):
+        ops.grouped_topk(logits, bias, top_k, n_group, topk_group, True)
+    x, w = torch.randn(2, 16, dtype=torch.bfloat16), torch.randn(8, 16)
+    with pytest.raises(ValueError, match="routing: " + error):
+        ops.routed_topk(x, w, bias, top_k, n_group, topk_group, True)
 
 
 # --- CPU: supports() and dispatch -------------------------------------------------------
