@@ -44,6 +44,8 @@ TRITON_MIN_TOKENS = 1
 # Routing in Triton needs power-of-two tiles: experts and group sizes.
 MAX_EXPERTS = 1024
 _MAX_TILES = 2048
+# Widest router the kernels take (Beam-1.0: 256 experts).
+MAX_EXPERTS = 1024
 # Partials the fixup loads at once (x BLOCK_E x BLOCK_T): bounded so they fit registers.
 _FIX_ELEMENTS = 4096
 
@@ -1123,6 +1125,10 @@ def _check_gemm(x: torch.Tensor, weight: torch.Tensor, *, need_cuda: bool = True
         return f"weight dtype {weight.dtype} is not fp32/bf16"
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         return f"weight {tuple(weight.shape)} is not [experts, {x.shape[-1]}]"
+    if weight.shape[0] > MAX_EXPERTS:
+        # Canonicalize also lifts a plain fp32 head on upcast states (a vocabulary, not a
+        # router): the output tiles' counters and the weight's bf16 pieces are not for it.
+        return f"{weight.shape[0]} experts > {MAX_EXPERTS}: a router's kernel; cuBLAS serves it"
     # The split-K kernel's readers add at most MAX_SPLITS chunks. A symbolic token count
     # (while compiling) is not compared, which would guard the graph on it: the run-time
     # dispatch asks again with the real count.

@@ -151,6 +151,9 @@ def fake_router(tokens=4, hidden=5120, experts=256, x_dtype=torch.bfloat16,
         # for hidden above 16384 rather than declining; the whole-row kernel (4) takes it.
         (dict(tokens=16, hidden=16640), "hidden 16640 makes 65 K chunks of 256 at 16 tokens"),
         (dict(tokens=4, hidden=16640), None),
+        # A plain fp32 head on upcast states is lifted to router_gemm too: at 65-255 tokens
+        # it raised "output tiles > 2048" at launch rather than being declined.
+        (dict(tokens=200, experts=32000), "32000 experts > 1024"),
     ],
 )
 def test_supports_names_the_limit(case, expected):
