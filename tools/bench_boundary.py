@@ -12,13 +12,12 @@ A last row per plain token count times `torch.cat` of x and r: the same bytes mo
 copy kernel at this size, what the fused op's "% of floor" can be held against.
 Inputs rotate over several sets so that large calls are not served from L2.
 
-    python tools/bench_boundary.py [--out DIR] [--sweep] [--quick] [--ab-row2d] [--sweep-rows]
+    python tools/bench_boundary.py [--out DIR] [--sweep] [--quick] [--ab-row2d]
 
 `--ab-row2d` times only the kernel with its tiles as rows of 2-D tiles (`ROW2D`, one block
 reduction a norm) against the 1-D tiles (one a tile), and the copy of the same bytes, at
 1-16384 tokens (both split into exact tiles; and the launch heuristic's choice),
-interleaved over rounds, into `boundary_row2d_ab.json`. `--sweep-rows` times several rows
-a step (`rows`) at 1024-16384 tokens the same way, into `boundary_rows_sweep.json`.
+interleaved over rounds, into `boundary_row2d_ab.json`.
 """
 
 from __future__ import annotations
@@ -174,25 +173,6 @@ def ab_row2d(out_dir: str) -> None:
     interleaved(out_dir, fns, (1, 16, 64, 256, 1024, 4096, 16384), "boundary_row2d_ab")
 
 
-def sweep_rows(out_dir: str) -> None:
-    """Several rows a step (`boundary_into(rows=...)`: one block reduction a norm for all
-    of them) x the next step's loads ahead or not x programs an SM, against the launch
-    heuristic and one row a step as 2-D tiles, at the bandwidth-bound sizes."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    fns = {"the launch heuristic": fused_with(),
-           "1 row, 2-D tiles, 16 warps": fused_with(split=True, row2d=True)}  # fmt: skip
-    # 16 warps: the tiles as [threads, values a thread] (one 16-byte load each); 105-112
-    # registers (sm_90 SASS), so one program an SM unless the grid asks for two.
-    for rows in (2, 4):
-        for prefetch in (True, False):
-            for per_sm in (1, 2):
-                fns[f"{rows} rows, prefetch {prefetch}, {per_sm} an SM"] = fused_with(
-                    rows=rows, num_warps=16, programs=per_sm * sms, split=True, row2d=True,
-                    prefetch=prefetch,
-                )  # fmt: skip
-    interleaved(out_dir, fns, (1024, 4096, 16384), "boundary_rows_sweep", rounds=3)
-
-
 def main() -> None:
     # One static compile per token count and boundary: more than Dynamo's default limit.
     for name in ("recompile_limit", "cache_size_limit"):
@@ -203,11 +183,10 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also sweep the kernel's launch shape")
     ap.add_argument("--quick", action="store_true", help="token counts 1, 64, 4096 only")
     ap.add_argument("--ab-row2d", action="store_true", help="only the ROW2D A/B (see above)")
-    ap.add_argument("--sweep-rows", action="store_true", help="only the rows-a-step sweep")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    if args.ab_row2d or args.sweep_rows:
-        ab_row2d(args.out) if args.ab_row2d else sweep_rows(args.out)
+    if args.ab_row2d:
+        ab_row2d(args.out)
         return
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -58,22 +58,10 @@ if triton is not None:
         return a, b
 
     @triton.jit
-    def _store_row(ptr, base, cols_a, cols_b, hidden, ok, a, b, HAS_B: tl.constexpr):
-        tl.store(ptr + base + cols_a, a, mask=(cols_a < hidden) & ok)
+    def _store_row(ptr, base, cols_a, cols_b, hidden, a, b, HAS_B: tl.constexpr):
+        tl.store(ptr + base + cols_a, a, mask=cols_a < hidden)
         if HAS_B:
-            tl.store(ptr + base + cols_b, b, mask=(cols_b < hidden) & ok)
-
-    @triton.jit
-    def _load_rows(ptr, base, cols_a, cols_b, hidden, ok, HAS_B: tl.constexpr):
-        """[ROWS, BLOCK] tiles of the rows where `ok` ([ROWS, 1]). The row mask is its own
-        factor, constant along a row, so the loads stay 16 bytes wide."""
-        a = tl.load(ptr + base + cols_a, mask=(cols_a < hidden) & ok, other=0.0,
-                    eviction_policy="evict_first")  # fmt: skip
-        b = a
-        if HAS_B:
-            b = tl.load(ptr + base + cols_b, mask=(cols_b < hidden) & ok, other=0.0,
-                        eviction_policy="evict_first")  # fmt: skip
-        return a, b
+            tl.store(ptr + base + cols_b, b, mask=cols_b < hidden)
 
     @triton.jit
     def _row_cols(BLOCK: tl.constexpr, THREADS: tl.constexpr, ROW2D: tl.constexpr):
@@ -101,26 +89,11 @@ if triton is not None:
             return total
 
     @triton.jit
-    def _rms_scale(
-        a, b, wa, wb, inv_hidden, eps, HAS_B: tl.constexpr, ROW2D: tl.constexpr,
-        ROWS: tl.constexpr,
-    ):  # fmt: skip
+    def _rms_scale(a, b, wa, wb, inv_hidden, eps, HAS_B: tl.constexpr, ROW2D: tl.constexpr):
         """`v * rsqrt(mean(v^2) + eps) * w` in fp32 over both tiles (masked lanes hold
-        zeros); the mean is a multiply by fp32(1/H), as torch's CUDA mean does. With ROWS
-        the tiles are [ROWS, BLOCK]: one norm a row, the rows' sums in one reduction."""
-        if ROWS and ROW2D:  # [ROWS, threads, values a thread]
-            part = tl.sum(a * a, axis=2)
-            if HAS_B:
-                part += tl.sum(b * b, axis=2)
-            inv = tl.math.rsqrt(tl.sum(part, axis=1) * inv_hidden + eps)[:, None, None]
-        elif ROWS:
-            total = tl.sum(a * a, axis=1)
-            if HAS_B:
-                total += tl.sum(b * b, axis=1)
-            inv = tl.math.rsqrt(total * inv_hidden + eps)[:, None]
-        else:
-            total = _sum_squares(a, b, HAS_B, ROW2D)
-            inv = tl.math.rsqrt(total * inv_hidden + eps)
+        zeros); the mean is a multiply by fp32(1/H), as torch's CUDA mean does."""
+        total = _sum_squares(a, b, HAS_B, ROW2D)
+        inv = tl.math.rsqrt(total * inv_hidden + eps)
         return a * inv * wa, b * inv * wb
 
     @triton.jit
@@ -148,24 +121,20 @@ if triton is not None:
         HAS_B: tl.constexpr,
         OUT_DTYPE: tl.constexpr,
         ROW2D: tl.constexpr,
-        ROWS: tl.constexpr = 0,
-        ok=True,
     ):
         """From the reduced row (fp32 values of OUT_DTYPE) and the residual row: the
-        contract's roundings in its order (BEAM.md, "Decoder layer"), then the stores (of
-        the rows where `ok`, with ROWS)."""
-        ta, tb = _rms_scale(xa, xb, wpa, wpb, inv_hidden, eps_post, HAS_B, ROW2D, ROWS)
+        contract's roundings in its order (BEAM.md, "Decoder layer"), then the stores."""
+        ta, tb = _rms_scale(xa, xb, wpa, wpb, inv_hidden, eps_post, HAS_B, ROW2D)
         ta = _round(_round(ta, OUT_DTYPE) * x_scale, OUT_DTYPE)
         tb = _round(_round(tb, OUT_DTYPE) * x_scale, OUT_DTYPE)
         ha = _round(ta + _round(ra.to(tl.float32) * residual_scale, OUT_DTYPE), OUT_DTYPE)
         hb = _round(tb + _round(rb.to(tl.float32) * residual_scale, OUT_DTYPE), OUT_DTYPE)
-        h_a, h_b = ha.to(OUT_DTYPE), hb.to(OUT_DTYPE)
-        _store_row(h_ptr, base, cols_a, cols_b, hidden, ok, h_a, h_b, HAS_B)
+        _store_row(h_ptr, base, cols_a, cols_b, hidden, ha.to(OUT_DTYPE), hb.to(OUT_DTYPE), HAS_B)
         if HAS_NEXT:
-            ya, yb = _rms_scale(ha, hb, wna, wnb, inv_hidden, eps_next, HAS_B, ROW2D, ROWS)
+            ya, yb = _rms_scale(ha, hb, wna, wnb, inv_hidden, eps_next, HAS_B, ROW2D)
             ya = _round(ya, OUT_DTYPE).to(OUT_DTYPE)
             yb = _round(yb, OUT_DTYPE).to(OUT_DTYPE)
-            _store_row(y_ptr, base, cols_a, cols_b, hidden, ok, ya, yb, HAS_B)
+            _store_row(y_ptr, base, cols_a, cols_b, hidden, ya, yb, HAS_B)
 
     @triton.jit(do_not_specialize=["n_rows"])
     def _boundary_kernel(
@@ -193,7 +162,6 @@ if triton is not None:
         PDL: tl.constexpr,
         ROW2D: tl.constexpr,
         THREADS: tl.constexpr,
-        ROWS: tl.constexpr = 0,
     ):
         # Each program walks rows pid, pid + grid, ...; the norm weights stay in registers.
         # A row is a BLOCK_A tile plus (BLOCK_B > 0) a BLOCK_B tile after it.
@@ -217,42 +185,7 @@ if triton is not None:
             # flight while the kernel that writes x and r finishes; wait for it only now.
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        if ROWS:
-            # ROWS rows a step as [ROWS, (threads,) BLOCK] tiles: one reduction a norm for
-            # all of them. With PREFETCH the next step's rows are in flight while this one
-            # computes. Rows past the end (`ok` false) load and store nothing.
-            if ROW2D:
-                sub = tl.arange(0, ROWS)[:, None, None]
-            else:
-                sub = tl.arange(0, ROWS)[:, None]
-            rows = pid * ROWS + sub
-            base = tl.cast(rows, tl.int64) * hidden
-            ok = rows < n_rows
-            if PREFETCH:
-                xa_next, xb_next = _load_rows(x_ptr, base, cols_a, cols_b, hidden, ok, HAS_B)
-                ra_next, rb_next = _load_rows(r_ptr, base, cols_a, cols_b, hidden, ok, HAS_B)
-            for group in tl.range(pid, tl.cdiv(n_rows, ROWS), step):
-                if PREFETCH:
-                    xa, xb, ra, rb = xa_next, xb_next, ra_next, rb_next
-                    base_now, ok_now = base, ok
-                    rows = (group + step) * ROWS + sub
-                    base = tl.cast(rows, tl.int64) * hidden
-                    ok = rows < n_rows
-                    xa_next, xb_next = _load_rows(x_ptr, base, cols_a, cols_b, hidden, ok, HAS_B)
-                    ra_next, rb_next = _load_rows(r_ptr, base, cols_a, cols_b, hidden, ok, HAS_B)
-                else:
-                    rows = group * ROWS + sub
-                    base_now = tl.cast(rows, tl.int64) * hidden
-                    ok_now = rows < n_rows
-                    xa, xb = _load_rows(x_ptr, base_now, cols_a, cols_b, hidden, ok_now, HAS_B)
-                    ra, rb = _load_rows(r_ptr, base_now, cols_a, cols_b, hidden, ok_now, HAS_B)
-                _finish_row(
-                    xa.to(tl.float32), xb.to(tl.float32), ra, rb, base_now, h_ptr, y_ptr,
-                    cols_a, cols_b, hidden, wpa, wpb, wna, wnb, inv_hidden, eps_post,
-                    eps_next, x_scale, residual_scale, HAS_NEXT, HAS_B, OUT_DTYPE, ROW2D, ROWS,
-                    ok_now,
-                )  # fmt: skip
-        elif TOPK == 0 and PREFETCH:
+        if TOPK == 0 and PREFETCH:
             # Software pipelining by hand: the next row's loads fly while this row computes.
             first = tl.cast(pid, tl.int64) * hidden  # the grid has at most n_rows programs
             xa_next, xb_next = _load_row(x_ptr, first, cols_a, cols_b, hidden, HAS_B, "evict_first")
@@ -423,14 +356,12 @@ def boundary_into(
     split: bool | None = None,
     pdl: bool | None = None,
     row2d: bool | None = None,
-    rows: int | None = None,
 ) -> None:
     """Run the kernel into contiguous `h_out` (and `y_out` when `w_next` is given).
 
     `x` is the reduced sublayer output [T, H], or with `topk_weights` [T, k] the
     unfinalized expert rows [T, k, H] (finalized in the kernel). `num_warps`, `programs`,
-    `prefetch`, `split` (see `row_tiles`), `row2d` (`ROW2D`) and `rows` (rows a step as
-    [rows, BLOCK] tiles, a power of two; not for the finalize) override the launch
+    `prefetch`, `split` (see `row_tiles`) and `row2d` (`ROW2D`) override the launch
     heuristic (benchmark sweeps only).
     """
     hidden = residual.shape[-1]
@@ -448,8 +379,7 @@ def boundary_into(
         n_rows, hidden, topk, residual.dtype, x.device
     )
     num_warps = num_warps or default_warps
-    rows = (rows or 0) if topk == 0 else 0
-    programs = min(-(-n_rows // max(rows, 1)), programs or default_programs)
+    programs = min(n_rows, programs or default_programs)
     block_a, block_b = row_tiles(hidden, default_split if split is None else split)
     pdl = (PDL if pdl is None else pdl) and _PDL and x.device.type == "cuda" and not copied
     row2d = (default_row2d if row2d is None else row2d) and topk == 0
@@ -479,7 +409,6 @@ def boundary_into(
         PDL=pdl,
         ROW2D=row2d,
         THREADS=32 * num_warps,
-        ROWS=rows,
         num_warps=num_warps,
         **({"launch_pdl": True} if pdl else {}),
     )

@@ -169,14 +169,13 @@ needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INT
     programs=st.sampled_from([None, 1, 2]),
     split=st.booleans(),
     row2d=st.booleans(),
-    rows=st.sampled_from([None, 2, 4]),
     seed=st.integers(0, 2**16),
 )
 def test_interpreted_kernel_matches_reference(
-    tokens, hidden, topk, dtype, scales, programs, split, row2d, rows, seed
+    tokens, hidden, topk, dtype, scales, programs, split, row2d, seed
 ):
     args = make_inputs(tokens, hidden, topk, dtype, "cpu", seed, scales=scales)
-    h, y = run_into(args, programs=programs, split=split, row2d=row2d, rows=rows)
+    h, y = run_into(args, programs=programs, split=split, row2d=row2d)
     check_against_reference(args, h, y)
 
 
@@ -217,19 +216,6 @@ def test_interpreted_rows_as_2d_tiles_with_both_tiles(hidden, tokens):
     a, b = triton_kernels.row_tiles(hidden, split=True)
     assert b and triton_kernels.rows_as_2d(a, b, warps, torch.bfloat16)
     h, y = run_into(args, split=True, row2d=True)
-    check_against_reference(args, h, y)
-
-
-@needs_interpreter
-@pytest.mark.parametrize("tokens, rows, programs", [(7, 2, 1), (9, 4, 2), (5, 4, None)])
-@pytest.mark.parametrize("row2d", [False, True])
-@pytest.mark.parametrize("prefetch", [None, False])
-def test_interpreted_rows_a_step(tokens, rows, programs, row2d, prefetch):
-    """Several rows a step, programs walking several steps, the last step partly past the
-    end (the hypothesis test may not draw a walk); 1-D and 2-D tiles, loads ahead or not."""
-    args = make_inputs(tokens, 1280, 0, torch.bfloat16, "cpu", seed=tokens + rows)
-    h, y = run_into(args, rows=rows, programs=programs, split=True, row2d=row2d,
-                    prefetch=prefetch, num_warps=4)  # fmt: skip
     check_against_reference(args, h, y)
 
 
@@ -334,22 +320,6 @@ def test_gpu_persistent_grid(programs):
     h, y = run_into(args, programs=programs)
     check_against_reference(args, h, y)
     h, y = run_into(args, programs=programs, split=False)
-    check_against_reference(args, h, y)
-
-
-@gpu
-@pytest.mark.parametrize("hidden", [2880, 5120])
-@pytest.mark.parametrize("tokens", [1, 7, 333, 4099])
-@pytest.mark.parametrize(
-    "rows, warps, programs, row2d, prefetch",
-    [(2, 16, None, True, None), (2, 16, 132, True, False), (4, 16, 7, True, False),
-     (4, 8, 7, False, None), (2, 32, 264, False, None)],
-)  # fmt: skip
-def test_gpu_rows_a_step(hidden, tokens, rows, warps, programs, row2d, prefetch):
-    # Several rows a step, the last step partly past the end.
-    args = make_inputs(tokens, hidden, 0, torch.bfloat16, "cuda", seed=hidden + tokens)
-    h, y = run_into(args, rows=rows, num_warps=warps, programs=programs, split=True,
-                    row2d=row2d, prefetch=prefetch)  # fmt: skip
     check_against_reference(args, h, y)
 
 
