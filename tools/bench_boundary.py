@@ -10,7 +10,9 @@ measured in this run); kernel launches per boundary (torch.profiler: device kern
 memsets of one eager call); the drift from the contract (h, y: % bitwise equal, max diff).
 A last row per plain token count times `torch.cat` of x and r: the same bytes moved by a
 copy kernel at this size, what the fused op's "% of floor" can be held against.
-Inputs rotate over several sets so that large calls are not served from L2.
+Inputs rotate over several sets (up to 16, 256 MiB in all) so that large calls are not served
+from L2; below 256 tokens the 16 sets fit in the 50 MB L2 (42 MB at 64 tokens), so those
+rows' % of floor may read L2 (their target is a time, not a bandwidth).
 
     python tools/bench_boundary.py [--out DIR] [--sweep] [--quick] [--ab-row2d]
 

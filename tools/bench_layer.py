@@ -116,7 +116,9 @@ def time_us(fn, args, device: str) -> tuple[float, str]:
             fn(*args)
             torch.cuda.synchronize()
             try:
-                return do_bench_cudagraph(lambda: fn(*args), rep=50) * 1e3, "cuda graph"
+                return do_bench_cudagraph(
+                    lambda: fn(*args), rep=50, return_mode="median"
+                ) * 1e3, "cuda graph"
             except Exception as e:  # a variant that cannot be captured: say so
                 return do_bench(lambda: fn(*args), rep=50) * 1e3, f"no graph ({type(e).__name__})"
     with torch.no_grad():

@@ -10,11 +10,13 @@ bf16 pieces (one bf16 GEMM, fp32 output), with and without routing; cuBLAS fp32
 (`F.linear(x.float(), w)`), cuBLAS with a bf16 weight and fp32 output,
 `torch.compile` of the reference logits, and `torch.compile` of the reference router +
 routing (top-8 of 8 groups, best 4). Each row: CUDA-graph replay median per call over 16
-rotating weight copies (84 MB, more than the 60 MB L2, as in a model whose layers each read
-their own router); the weight-read floor (5.2 MB once over the copy bandwidth measured in
-this run); kernel launches per call (torch.profiler: device kernels and memsets of one
-eager call); the logits' error against fp64 and the tokens whose experts differ from the
-reference.
+rotating weight copies (84 MB, more than the 50 MB L2 of an H100 or H200, as in a model
+whose layers each read their own router; 32 copies for the bf16-weight baseline, whose
+copies are half the size); the weight-read floor (5.2 MB of fp32 weight once over the copy
+bandwidth measured in this run; the bf16-weight baseline reads half of it, and its % is
+still against this floor); kernel launches per call (torch.profiler: device kernels and
+memsets of one eager call); the logits' error against fp64 and the tokens whose experts
+differ from the reference.
 
     python tools/bench_router.py [--out DIR] [--sweep] [--cutedsl-sweep] [--broadcast-sweep]
         [--broadcast-confirm] [--crossover]
@@ -612,7 +614,8 @@ def main() -> None:
         with open(os.path.join(args.out, "router_probe.json"), "w") as f:
             json.dump(dict(meta=meta, rows=probe(weights)), f, indent=1)
         return
-    weights_bf16 = [w.to(torch.bfloat16) for w in weights]
+    # Twice as many bf16 copies as fp32 ones, so that they too exceed the L2.
+    weights_bf16 = [w.to(torch.bfloat16) for w in weights + weights]
     # Dynamic token count, as vLLM compiles: one graph for all token counts.
     compiled_logits = torch.compile(reference.router_logits, dynamic=True)
     compiled_routed = torch.compile(reference.routed_topk, dynamic=True)
@@ -623,7 +626,7 @@ def main() -> None:
             for _ in range(N_WEIGHTS)
         ]
         sets = [(x, w) for x, w in zip(xs, weights)]
-        sets_bf16 = [(x, w) for x, w in zip(xs, weights_bf16)]
+        sets_bf16 = [(xs[i % len(xs)], w) for i, w in enumerate(weights_bf16)]
         x0, w0 = sets[0]
         _, ref_ids = reference.routed_topk(x0, w0, bias, TOP_K, N_GROUP, TOPK_GROUP, True)
         # The Triton kernels forced, up to TRITON_MAX_TOKENS; the cuBLAS pieces GEMM forced;
