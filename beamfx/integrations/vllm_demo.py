@@ -18,8 +18,11 @@ from typing import Any
 
 # A token vLLM chose may trail the plain model's choice by this many logits: activations
 # are bf16, and vLLM's attention kernel and Inductor's fused code round differently from
-# the eager SDPA path. Measured on the tiny checkpoint: one flip at a 0.031 gap.
-NEAR_TIE_LOGITS = 0.1
+# the eager SDPA path. Such a difference can also flip a routing near-tie (a prompt token
+# of the tiny checkpoint has its 8th and 9th experts 7e-3 apart), and a token routed to
+# another expert moves the logits after it by up to ~0.3. Measured on the tiny checkpoint
+# (seed 0, fp32 router in both): gaps of 0.124 and 0.016, every other token the same.
+NEAR_TIE_LOGITS = 0.25
 INDUCTOR = {
     # Keep the contract's bf16 roundings in Inductor's own fused code too, so the graphs
     # with and without the fusions compute the same bits: without it, Inductor drops
