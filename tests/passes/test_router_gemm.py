@@ -13,10 +13,13 @@ from beamfx.testing import strategies as bst
 
 @given(t=bst.token_counts(), routing=bst.routing(), renorm=st.booleans(),
        weight_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       act_dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
        seed=st.integers(0, 2**16))  # fmt: skip
-def test_router_and_routing_fuse_into_routed_topk(t, routing, renorm, weight_dtype, seed):
+def test_router_and_routing_fuse_into_routed_topk(t, routing, renorm, weight_dtype, act_dtype,
+                                                  seed):  # fmt: skip
+    """Every activation dtype the rule names (bf16, fp16, fp32) fuses, routing included."""
     experts, top_k, n_group, topk_group = routing
-    x = bst.randn(t, 64, seed=seed)
+    x = bst.randn(t, 64, dtype=act_dtype, seed=seed)
     w = bst.randn(experts, 64, dtype=weight_dtype, seed=seed + 1, scale=0.2)
     bias = bst.randn(experts, dtype=torch.float32, seed=seed + 2, scale=0.1)
 
@@ -28,9 +31,22 @@ def test_router_and_routing_fuse_into_routed_topk(t, routing, renorm, weight_dty
     assert res.manager.reports[0].ops_after == {"beamfx.routed_topk": 1}
 
 
-@given(t=bst.token_counts(), experts=st.sampled_from([8, 16, 256]), seed=st.integers(0, 999))
-def test_router_gemm_alone_within_1e_5_of_fp64(t, experts, seed):
-    x = bst.randn(t, 128, seed=seed)
+@pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_each_activation_dtype_fuses(act_dtype):
+    """The rule's activation dtypes, each drawn for sure (the hypothesis tests may not)."""
+    x = bst.randn(4, 64, dtype=act_dtype, seed=1)
+    w = bst.randn(16, 64, dtype=torch.float32, seed=2, scale=0.2)
+    bias = bst.randn(16, dtype=torch.float32, seed=3, scale=0.1)
+    route = lambda x: ir.grouped_topk(ir.router_logits(x, w), bias, 4, 4, 2, True)  # noqa: E731
+    assert_fusion(route, (x,), "router_gemm", matches=1)
+    assert_fusion(lambda x: ir.router_logits(x, w) * 2.0, (x,), "router_gemm", matches=1)
+
+
+@given(t=bst.token_counts(), experts=st.sampled_from([8, 16, 256]),
+       act_dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+       seed=st.integers(0, 999))  # fmt: skip
+def test_router_gemm_alone_within_1e_5_of_fp64(t, experts, act_dtype, seed):
+    x = bst.randn(t, 128, dtype=act_dtype, seed=seed)
     w = bst.randn(experts, 128, dtype=torch.float32, seed=seed + 1, scale=0.1)
 
     res = assert_fusion(lambda x: ir.router_logits(x, w) * 2.0, (x,), "router_gemm", matches=1)
