@@ -172,3 +172,18 @@ def test_profiles_come_with_the_kit():
     assert settings().max_examples == PROFILES.get(name, settings().max_examples)
     if name == "ci":
         assert examples(10) == 10
+
+
+def test_a_zero_of_the_other_sign_is_not_bitwise_equal():
+    """-0.0 and 0.0 compare equal as numbers: the bitwise check compares bits, so a pass
+    that loses the sign of zero fails it (a mutation comparing values passed it)."""
+    p = FusionPass("signless", "relu(x) * s, with +0.0 where eager gives -0.0")
+
+    @p.rule(replace=lambda x, s: torch.where(x > 0, x * s, 0.0),
+            constraints=[dtype_in("x", torch.float32)])  # fmt: skip
+    def relu_scale(x: Act[T, H], s: float):
+        return torch.relu(x) * s
+
+    assert (torch.relu(X) * -2.0).signbit().any()  # eager's zeros here are -0.0
+    with pytest.raises(AssertionError, match="output 0 is not bitwise equal"):
+        assert_fusion(lambda x: torch.relu(x) * -2.0, (X,), [p], matches=1)
