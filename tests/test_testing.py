@@ -187,3 +187,27 @@ def test_a_zero_of_the_other_sign_is_not_bitwise_equal():
     assert (torch.relu(X) * -2.0).signbit().any()  # eager's zeros here are -0.0
     with pytest.raises(AssertionError, match="output 0 is not bitwise equal"):
         assert_fusion(lambda x: torch.relu(x) * -2.0, (X,), [p], matches=1)
+
+
+def test_a_pass_whose_replacement_is_its_own_pattern_fails():
+    """A replacement that re-creates what the rule matches would loop in a pipeline that
+    reruns passes: assert_fusion fails it (a mutation that skipped the check survived)."""
+    p = FusionPass("again", "relu(x) * s -> relu(x) * s, its own pattern again")
+
+    @p.rule(replace=lambda x, s: torch.relu(x) * s, constraints=[dtype_in("x", torch.float32)])
+    def relu_scale(x: Act[T, H], s: float):
+        return torch.relu(x) * s
+
+    with pytest.raises(AssertionError, match="pass again matched again after running"):
+        assert_fusion(lambda x: torch.relu(x) * 2.0, (X,), [p], matches=1)
+
+
+def test_a_uuid_that_ignores_the_pass_list_fails(monkeypatch):
+    """vLLM keys its compile cache on the pass's uuid: one that stayed the same across pass
+    lists would serve a graph compiled with other passes. assert_fusion checks that it
+    moves (a mutation that skipped the check survived)."""
+    from beamfx.pipeline import PassManager
+
+    monkeypatch.setattr(PassManager, "uuid", lambda self: "same for every pass list")
+    with pytest.raises(AssertionError, match="uuid did not change with the pass list"):
+        assert_fusion(lambda x: torch.relu(x) * 2.0, (X,), [GOOD], matches=1)
