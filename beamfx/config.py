@@ -394,6 +394,21 @@ def preset(name: str, num_hidden_layers: int | None = None, **overrides: Any) ->
     return BeamConfig(**kw)
 
 
+def warn_missing_keys(folder: str | os.PathLike) -> None:
+    """`load_config`'s warning for a checkpoint folder's config.json that leaves out keys
+    (they take the tiny preset's defaults), for loaders that read config.json themselves
+    (vLLM, through transformers). Nothing for a folder without one (a hub id, say)."""
+    path = os.path.join(str(folder), "config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError:
+            return  # the loader that parses it says so
+    _warn_missing(path, data)
+
+
 def load_config(source: str | os.PathLike, num_hidden_layers: int | None = None) -> BeamConfig:
     """A preset name, a checkpoint folder, or a path to a `config.json`."""
     source = str(source)

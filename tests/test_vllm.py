@@ -14,6 +14,7 @@ import logging
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -307,6 +308,31 @@ def test_the_model_refuses_parallelism_it_does_not_implement(integration, option
     else:
         with pytest.raises(ValueError, match=refused):
             check_parallel(ParallelConfig(**options))
+
+
+def test_a_config_json_missing_keys_is_warned_of_under_vllm(integration, tiny_checkpoint,
+                                                            tmp_path):  # fmt: skip
+    """vLLM reads config.json through transformers, which fills left-out keys with
+    BeamConfig's defaults (the tiny preset's) without a word; `load_config` warned, the
+    vLLM path did not. A routed_scaling_factor left out would serve with the tiny model's."""
+    import json
+    import shutil
+
+    from beamfx.config import BeamConfig
+    from beamfx.integrations.vllm_model import beam_config
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, folder)
+    data = json.loads((folder / "config.json").read_text())
+    del data["routed_scaling_factor"]
+    (folder / "config.json").write_text(json.dumps(data))
+    hf_config = BeamConfig.from_pretrained(str(folder))  # as transformers reads it for vLLM
+    with pytest.warns(UserWarning, match="does not set routed_scaling_factor"):
+        beam_config(hf_config, str(folder))
+    complete = BeamConfig.from_pretrained(tiny_checkpoint)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        beam_config(complete, tiny_checkpoint)
 
 
 def test_plugin_registers_beam_once(integration):

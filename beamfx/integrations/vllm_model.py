@@ -18,7 +18,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.utils import maybe_prefix
 
-from beamfx.config import BeamConfig
+from beamfx.config import BeamConfig, warn_missing_keys
 from beamfx.integrations import vllm as integration
 from beamfx.models import beam
 
@@ -51,8 +51,12 @@ def use_paged_attention(model: beam.BeamModel, cache_config, prefix: str) -> Non
         )
 
 
-def beam_config(hf_config) -> BeamConfig:
-    """beamfx's BeamConfig from vLLM's HF config (a vLLM build may bring its own class)."""
+def beam_config(hf_config, model: str | None = None) -> BeamConfig:
+    """beamfx's BeamConfig from vLLM's HF config (a vLLM build may bring its own class).
+    With `model` (the checkpoint folder), warns of keys its config.json leaves out, as
+    `load_config` does: transformers fills them with BeamConfig's tiny defaults silently."""
+    if model is not None:
+        warn_missing_keys(model)
     if isinstance(hf_config, BeamConfig):
         return hf_config
     data = hf_config.to_dict()
@@ -98,7 +102,8 @@ class BeamForCausalLM(beam.BeamForCausalLM):
         check_parallel(vllm_config.parallel_config)
         # Before the compile wrapper (set up after this __init__) reads Inductor's options.
         integration.bind(vllm_config)
-        config = beam_config(vllm_config.model_config.hf_config)
+        model_config = vllm_config.model_config
+        config = beam_config(model_config.hf_config, model_config.model)
         super().__init__(config, tensor_parallel(), vllm_config.model_config.dtype)
         use_paged_attention(self.model, vllm_config.cache_config, maybe_prefix(prefix, "model"))
 
