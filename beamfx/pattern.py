@@ -449,11 +449,10 @@ class FusionPass:
                 elif val.dtype != spec.dtype:
                     why = f"{n} is {val.dtype}; the rule needs {spec.dtype}"
                     return reject(match, why, "dtype")
+            found = ", ".join(f"{n} {d}" for n, d in acts.items())
             if len(set(acts.values())) > 1:
-                found = ", ".join(f"{n} {d}" for n, d in acts.items())
                 return reject(match, f"activations of more than one dtype: {found}", "dtype")
             if not set(acts.values()) <= set(variant.rule.dtypes):
-                found = ", ".join(f"{n} {d}" for n, d in acts.items())
                 traced = ", ".join(str(d) for d in variant.rule.dtypes)
                 why = f"activations {found}: the rule is traced for {traced} only"
                 return reject(match, why, "dtype")
